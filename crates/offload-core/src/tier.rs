@@ -1,0 +1,149 @@
+//! The `Tier` trait: the pluggable backend interface that tier-gpu, tier-fs and tier-p2p implement,
+//! with its contract, and the [`SlotMemory`] view of the host pool that tiers read and write.
+
+use std::ptr::NonNull;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::Medium;
+use crate::key::{ChunkKey, JobId, RequestId, SlotId};
+
+/// The host pool's bytes as tiers see them: `slot_count` rows of `slot_bytes` each.
+///
+/// Implementations own the memory (a pinned allocation in tier-gpu, a plain buffer in tests) and
+/// do whatever synchronisation they need; the ownership rules of [`Tier`] guarantee that no two
+/// in-flight jobs write the same slot and that no slot is written while it is read.
+pub trait SlotMemory: Send + Sync {
+    /// Bytes per slot.
+    fn slot_bytes(&self) -> usize;
+    /// Number of slots.
+    fn slot_count(&self) -> u32;
+    /// Copies `dst.len()` bytes of `slot`, from `offset`, into `dst`.
+    ///
+    /// Panics if the range is outside the slot (a caller bug, never input data).
+    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]);
+    /// Copies `src` into `slot` at `offset`.
+    ///
+    /// Panics if the range is outside the slot (a caller bug, never input data).
+    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]);
+    /// The slot's first byte, for zero-copy I/O (io_uring, RDMA registration), if the memory has a
+    /// stable address. Dereferencing it is the caller's `unsafe` business and must follow the
+    /// ownership rules of [`Tier`].
+    fn slot_ptr(&self, _slot: SlotId) -> Option<NonNull<u8>> {
+        None
+    }
+}
+
+/// What a tier job does to its chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TierOp {
+    /// Copy each chunk's host slot into the tier (a cascade).
+    Store,
+    /// Copy each chunk from the tier into its host slot (a promotion).
+    Load,
+}
+
+/// One job submitted to a tier: the same operation on a set of chunks, each with its host slot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierJob {
+    /// Unique, growing id chosen by the caller.
+    pub id: JobId,
+    /// The request this job serves (for per-request tiers), if any.
+    pub request: Option<RequestId>,
+    /// Direction.
+    pub op: TierOp,
+    /// `(key, slot, len)`: the chunk, its host slot, and the number of payload bytes (a partial
+    /// chunk is shorter than a slot).
+    pub chunks: Vec<(ChunkKey, SlotId, u32)>,
+}
+
+/// The single completion of a [`TierJob`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierCompletion {
+    /// The job.
+    pub id: JobId,
+    /// Keys that failed (empty on full success). For a load, a failed key's slot holds no valid
+    /// data and must not be served; keys not listed were transferred and verified.
+    pub failed: Vec<ChunkKey>,
+}
+
+impl TierCompletion {
+    /// Whether every chunk of the job succeeded.
+    pub fn is_success(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
+/// A secondary tier's answer for one key. Lookups never block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TierLookup {
+    /// The tier holds the chunk and a load of it is expected to succeed.
+    Hit,
+    /// The tier does not hold the chunk.
+    Miss,
+    /// Not known yet (an asynchronous probe is under way); ask again later. A tier gives up after
+    /// its own deadline and answers `Miss`.
+    Retry,
+}
+
+/// Why a tier refused a job at submission (it then never completes, since it was not accepted).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The tier's bounded queue is full; submit again later.
+    #[error("tier queue full ({in_flight} jobs in flight)")]
+    Busy {
+        /// Jobs in flight at the time.
+        in_flight: usize,
+    },
+    /// The tier was shut down.
+    #[error("tier is shut down")]
+    ShutDown,
+    /// The job is malformed (duplicate id, slot out of range, length over the slot size).
+    #[error("invalid job: {0}")]
+    Invalid(String),
+}
+
+/// A storage backend for chunks: the primary tier's worker side or a secondary tier.
+///
+/// # Contract
+///
+/// * **Exactly one completion.** Every job accepted by [`Tier::submit`] (it returned `Ok`)
+///   produces exactly one [`TierCompletion`] from [`Tier::poll`], success or failure, also when it
+///   was cancelled, drained or shut down. A job refused by `submit` produces none.
+/// * **Non-blocking.** `lookup`, `submit` and `poll` never wait for I/O; completions are found by
+///   polling. Every internal wait has a deadline, after which the job fails.
+/// * **Buffer ownership.** From `submit` until its completion has been returned by `poll`, the job
+///   owns the host slots it names: the tier may read them (store) or write them (load), and the
+///   caller must neither reuse nor free them, even if it cancels the job or loses interest. Once
+///   the completion is returned the tier holds no reference to them.
+/// * **Cancel** is a request: the job still completes exactly once, with the keys not transferred
+///   listed as failed. A load completion may list as failed only keys whose slots hold no valid data.
+/// * **Drain** blocks until every accepted job has completed and its completion is queued for
+///   `poll`; the tier stays usable afterwards.
+/// * **Shutdown** cancels and drains; after it, `submit` answers [`SubmitError::ShutDown`] and `poll`
+///   still returns the remaining completions.
+/// * **Integrity.** A load never reports success for bytes that differ from what was stored under
+///   that key: a checksum mismatch, short read or torn copy is a failed key (the engine recomputes).
+/// * **Requests.** After [`Tier::on_request_finished`] for a request, no job or touch names it.
+pub trait Tier: Send {
+    /// A short name for logs and metrics (`"fs"`, `"p2p"`, ...).
+    fn name(&self) -> &str;
+    /// The medium reported in KV events.
+    fn medium(&self) -> Medium;
+    /// Answers for one key without blocking.
+    fn lookup(&mut self, key: ChunkKey) -> TierLookup;
+    /// Marks keys as recently used, in reverse order (the first prefix chunk is evicted last).
+    fn touch(&mut self, keys: &[ChunkKey]);
+    /// Accepts a job, or refuses it without side effects.
+    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError>;
+    /// Moves completions found since the last call into `out`, without blocking.
+    fn poll(&mut self, out: &mut Vec<TierCompletion>);
+    /// Asks an accepted job to stop early; it still completes exactly once.
+    fn cancel(&mut self, id: JobId);
+    /// Waits until every accepted job has completed (completions then wait in `poll`).
+    fn drain(&mut self);
+    /// The request finished: every store for it was submitted.
+    fn on_request_finished(&mut self, request: RequestId);
+    /// Cancels and drains everything; later submits are refused.
+    fn shutdown(&mut self);
+}

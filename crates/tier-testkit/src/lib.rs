@@ -1,0 +1,1 @@
+//! Test kit for tiers: placeholder.
