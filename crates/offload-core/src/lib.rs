@@ -26,8 +26,8 @@ pub use manager::{OffloadManager, PreparedStore};
 pub use meta::{ConnectorMeta, Job, JobAck, JobKind, Transfer, WorkerOutput};
 pub use pool::{EvictionPolicy, HostPool, PoolConfig};
 pub use scheduler::{
-    FinishKind, MatchResult, NewRequest, OffloadPolicy, Scheduler, SchedulerConfig, StepInput,
-    StepRequest, UpdateOutcome,
+    FinishKind, FinishedRequest, MatchResult, NewRequest, OffloadPolicy, Scheduler,
+    SchedulerConfig, SchedulerStats, StepInput, StepRequest, UpdateOutcome,
 };
 pub use stats::Stats;
 pub use tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, TierOp};

@@ -22,7 +22,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::key::{BlockId, RequestId};
-use crate::meta::{ConnectorMeta, WorkerOutput};
+mod request;
+mod state;
+
+pub use state::{Scheduler, SchedulerStats};
 
 /// When a request's chunks are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,82 +155,4 @@ pub struct UpdateOutcome {
     /// Load jobs that ended: the request, and whether its loaded tokens are valid. On `false`
     /// the engine recomputes the tokens the load would have provided.
     pub loads: Vec<(RequestId, bool)>,
-}
-
-/// The scheduler side of kvtier for one engine: request states, job building, acknowledgements.
-pub struct Scheduler<M> {
-    config: SchedulerConfig,
-    manager: M,
-}
-
-impl<M: crate::manager::OffloadManager> Scheduler<M> {
-    /// Creates a scheduler over `manager`; fails naming the setting if `config` is invalid.
-    pub fn new(config: SchedulerConfig, manager: M) -> Result<Self, crate::CoreError> {
-        Ok(Self { config, manager })
-    }
-    /// The settings.
-    pub fn config(&self) -> &SchedulerConfig {
-        &self.config
-    }
-    /// The manager, for inspection.
-    pub fn manager(&self) -> &M {
-        &self.manager
-    }
-    /// The manager, for direct calls (tests and tools).
-    pub fn manager_mut(&mut self) -> &mut M {
-        &mut self.manager
-    }
-    /// Starts tracking a request.
-    pub fn on_new_request(&mut self, request: NewRequest) {
-        let _ = request;
-        todo!()
-    }
-    /// Maximal-prefix lookup for a waiting request whose first `num_computed_tokens` tokens are
-    /// already in the GPU cache; `block_hashes` are its full-block hashes, `num_tokens` its length.
-    pub fn get_num_new_matched_tokens(
-        &mut self,
-        id: RequestId,
-        num_tokens: u32,
-        block_hashes: &[u64],
-        num_computed_tokens: u32,
-    ) -> MatchResult {
-        let _ = (id, num_tokens, block_hashes, num_computed_tokens);
-        todo!()
-    }
-    /// The engine allocated `block_ids` (the request's whole block table) and will take
-    /// `num_external_tokens` tokens (as matched before) from the offload: builds the load job.
-    pub fn update_state_after_alloc(
-        &mut self,
-        id: RequestId,
-        block_ids: &[BlockId],
-        num_external_tokens: u32,
-    ) {
-        let _ = (id, block_ids, num_external_tokens);
-        todo!()
-    }
-    /// Builds this step's metadata for the workers.
-    pub fn build_connector_meta(&mut self, step: &StepInput<'_>) -> ConnectorMeta {
-        let _ = step;
-        todo!()
-    }
-    /// Takes the workers' acknowledgements.
-    pub fn update_connector_output(&mut self, outputs: &[WorkerOutput]) -> UpdateOutcome {
-        let _ = outputs;
-        todo!()
-    }
-    /// Records that a request finished or was aborted. Returns whether the engine must keep the
-    /// request's blocks until [`Scheduler::take_released`] names it.
-    pub fn request_finished(&mut self, request: &FinishedRequest<'_>) -> bool {
-        let _ = request;
-        todo!()
-    }
-    /// Drops everything offloaded; returns the loads that were cancelled (the engine recomputes).
-    pub fn reset_cache(&mut self) -> UpdateOutcome {
-        todo!()
-    }
-    /// Moves into `out` the finished requests whose engine blocks the engine may now free.
-    pub fn take_released(&mut self, out: &mut Vec<RequestId>) {
-        let _ = out;
-        todo!()
-    }
 }
