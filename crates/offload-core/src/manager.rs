@@ -64,7 +64,9 @@ pub trait OffloadManager {
     /// The request finished and every store it will ever prepare was prepared. Called exactly once.
     fn on_request_finished(&mut self, request: RequestId);
 
-    /// Drops every chunk. The caller guarantees no job is still reading or writing a slot.
+    /// Drops every chunk, also those being written or read. The caller guarantees that no slot is
+    /// handed to a new job before every older job finished (workers finish jobs older than
+    /// `ConnectorMeta::reset_before` before they touch any slot).
     fn reset(&mut self);
 
     /// Moves the events gathered since the last call into `out`.
