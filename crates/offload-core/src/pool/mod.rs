@@ -1,11 +1,39 @@
 //! The host-pool manager: which chunk lives in which slot, slot reference counts, and eviction.
 //! It manages metadata only; the bytes live in a [`crate::SlotMemory`] owned by a tier crate.
+//!
+//! Layout (all sized once, at creation; no allocation on the hot path):
+//!
+//! - `slots`: one 24-byte `Slot` per slot: the key, the reference count, the list the slot is on
+//!   and its intrusive list links. Free slots form a stack threaded through the same links.
+//! - `map`: an open-addressing table from the key's mixed hash to the slot index (`table.rs`),
+//!   4-byte buckets, 4 per slot with LRU and 3 with ARC.
+//! - the eviction policy ([`EvictionPolicy`]): LRU (`lru.rs`) or ARC (`arc.rs`, which adds a ghost
+//!   arena of `slot_count` 12-byte fingerprints and their table).
+//! - with a reuse threshold above 1, a bounded lookup counter (`reuse.rs`).
+//!
+//! [`HostPool::metadata_bytes_per_slot`] adds these up; it stays at or below 64 bytes.
 
-use crate::event::KvEvent;
+mod arc;
+mod list;
+mod lru;
+mod reuse;
+mod table;
+
+#[cfg(test)]
+mod model_tests;
+#[cfg(test)]
+mod tests;
+
+use crate::event::{KvEvent, Medium};
+use crate::invariant;
 use crate::key::{ChunkKey, LookupResult, RequestId, SlotId};
 use crate::manager::{OffloadManager, PreparedStore};
 use crate::stats::Stats;
 use crate::CoreError;
+
+use list::{Link, Linked, NIL};
+use reuse::ReuseTracker;
+use table::{mix, IndexTable};
 
 /// Which chunks to evict first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -43,57 +71,827 @@ pub struct PoolConfig {
     pub events: bool,
 }
 
+/// Most slots a pool may have (2^28 - 1; at 1 MiB per chunk, 256 TiB).
+pub const SLOT_COUNT_MAX: u32 = table::ARENA_LEN_MAX;
+
+/// Most loads that may read one slot at once; a `prepare_load` beyond it fails.
+pub const READERS_PER_SLOT_MAX: i32 = i16::MAX as i32;
+
+/// Highest accepted [`PoolConfig::reuse_threshold`] (lookup counters saturate at 8 bits).
+pub const REUSE_THRESHOLD_MAX: u32 = reuse::COUNT_MAX;
+
+/// Key-table buckets per slot with LRU: load factor at most 1/4. The table's probe loops are the
+/// hottest code; a lower load factor shortens them, and LRU's budget allows it.
+const LRU_MAP_BUCKETS_PER_SLOT: (usize, usize) = (4, 1);
+/// Key-table buckets per slot with ARC (whose ghosts take part of the 64-byte budget): load
+/// factor at most 1/3.
+const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (3, 1);
+
+/// Calls with more keys than this dedupe new keys with a hash set instead of a linear scan.
+const DEDUPE_LINEAR_MAX: usize = 16;
+
+/// `Slot::list` of a free slot.
+const LIST_FREE: u8 = 0;
+/// `Slot::list` of a slot on the LRU list, or on ARC's T1.
+const LIST_MAIN: u8 = 1;
+/// `Slot::list` of a slot on ARC's T2.
+const LIST_T2: u8 = 2;
+
+/// One slot's metadata (24 bytes).
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    /// The key's hash (meaningful only while the slot is present).
+    hash: u64,
+    /// The key's group.
+    group: u32,
+    /// -1: being written; 0: idle (evictable); n > 0: n loads read it.
+    refc: i16,
+    /// Which list the slot is on (`LIST_*`); `LIST_FREE` for a free slot.
+    list: u8,
+    /// Set while a `prepare_store` call names this (idle) slot's key, so it is not evicted.
+    mark: u8,
+    /// Recency-list links; for a free slot, `next` links the free stack.
+    link: Link,
+}
+
+// The memory budget (design.md section 7) counts on these sizes.
+const _: () = assert!(std::mem::size_of::<Slot>() == 24);
+
+impl Slot {
+    const FREE: Slot = Slot {
+        hash: 0,
+        group: 0,
+        refc: 0,
+        list: LIST_FREE,
+        mark: 0,
+        link: Link::UNLINKED,
+    };
+
+    #[inline]
+    fn evictable(&self) -> bool {
+        self.refc == 0 && self.mark == 0
+    }
+
+    #[inline]
+    fn present(&self) -> bool {
+        self.list != LIST_FREE
+    }
+
+    #[inline]
+    fn key(&self) -> ChunkKey {
+        ChunkKey::new(self.hash, self.group)
+    }
+
+    #[inline]
+    fn is(&self, key: ChunkKey) -> bool {
+        self.hash == key.hash && self.group == key.group
+    }
+}
+
+impl Linked for Slot {
+    #[inline]
+    fn link(&self) -> Link {
+        self.link
+    }
+    #[inline]
+    fn link_mut(&mut self) -> &mut Link {
+        &mut self.link
+    }
+}
+
+/// The eviction policy's state (enum dispatch: one branch per call, no virtual call).
+#[derive(Clone, Debug)]
+enum Policy {
+    Lru(lru::Lru),
+    Arc(arc::Arc),
+}
+
+/// Where the search for eviction victims stands within one `prepare_store` (list positions).
+#[derive(Clone, Copy, Debug)]
+struct VictimCursor {
+    /// LRU: the next slot to examine. ARC: the next slot of T1.
+    first: u32,
+    /// ARC: the next slot of T2.
+    second: u32,
+}
+
+impl Policy {
+    fn victim_cursor(&self) -> VictimCursor {
+        match self {
+            Policy::Lru(l) => l.victim_cursor(),
+            Policy::Arc(a) => a.victim_cursor(),
+        }
+    }
+
+    /// The next chunk to evict, or `None` if no evictable chunk is left.
+    #[inline]
+    fn next_victim(&self, slots: &[Slot], cursor: &mut VictimCursor) -> Option<u32> {
+        match self {
+            Policy::Lru(l) => l.next_victim(slots, cursor),
+            Policy::Arc(a) => a.next_victim(slots, cursor),
+        }
+    }
+}
+
+/// An entry of the scratch set that dedupes new keys within one large `prepare_store` call.
+#[derive(Clone, Copy, Debug, Default)]
+struct DedupeEntry {
+    h: u64,
+    generation: u32,
+    index: u32,
+}
+
 /// The host-pool manager (design.md section 4, items 9-10).
+///
+/// Every present key occupies one slot whose reference count is -1 while being written (after
+/// `prepare_store`, before `complete_store`), 0 while idle (the only evictable state) and n > 0
+/// while n loads read it. See [`OffloadManager`] for the operations and [`EvictionPolicy`] for the
+/// order of eviction.
+///
+/// Counters kept here: `lookups`, `lookup_hits`, `chunks_stored`, `evictions`,
+/// `allocation_failures` and `invariant_failures`. Loads and failed store jobs are counted by the
+/// caller, which knows how a job ended.
+#[derive(Clone, Debug)]
 pub struct HostPool {
-    _todo: (),
+    config: PoolConfig,
+    strict: bool,
+    slots: Vec<Slot>,
+    map: IndexTable,
+    /// Head of the free-slot stack (linked through `Slot::link.next`).
+    free_head: u32,
+    free_count: u32,
+    /// Present slots with reference count 0.
+    idle_count: u32,
+    policy: Policy,
+    tracker: Option<ReuseTracker>,
+    stats: Stats,
+    events: Vec<KvEvent>,
+    /// `prepare_store` scratch: the mixed hash of each key to store.
+    new_hashes: Vec<u64>,
+    /// `prepare_store` scratch: slots marked as named by the call.
+    marked: Vec<u32>,
+    dedupe: Vec<DedupeEntry>,
+    dedupe_generation: u32,
 }
 
 impl HostPool {
     /// Creates an empty pool; fails with an error naming the setting if `config` is invalid.
+    /// Broken bookkeeping invariants (for example completing a load that was never prepared)
+    /// panic in debug builds and are counted and ignored in release builds.
     pub fn new(config: PoolConfig) -> Result<Self, CoreError> {
-        let _ = config;
-        todo!()
+        Self::with_strictness(config, invariant::STRICT_DEFAULT)
     }
+
+    /// Like [`HostPool::new`], choosing whether a broken bookkeeping invariant panics (`strict`:
+    /// tests, simulators) or is counted in [`Stats::invariant_failures`] and ignored.
+    pub fn with_strictness(config: PoolConfig, strict: bool) -> Result<Self, CoreError> {
+        if config.slot_count == 0 || config.slot_count > SLOT_COUNT_MAX {
+            return Err(CoreError::InvalidConfig {
+                key: "slot_count",
+                reason: format!(
+                    "{} is out of range; expected 1 to {SLOT_COUNT_MAX}",
+                    config.slot_count
+                ),
+            });
+        }
+        if config.reuse_threshold > REUSE_THRESHOLD_MAX {
+            return Err(CoreError::InvalidConfig {
+                key: "reuse_threshold",
+                reason: format!(
+                    "{} is above the maximum {REUSE_THRESHOLD_MAX}",
+                    config.reuse_threshold
+                ),
+            });
+        }
+        let c = config.slot_count;
+        let (policy, buckets_per_slot) = match config.policy {
+            EvictionPolicy::Lru => (Policy::Lru(lru::Lru::default()), LRU_MAP_BUCKETS_PER_SLOT),
+            EvictionPolicy::Arc => (Policy::Arc(arc::Arc::new(c)), ARC_MAP_BUCKETS_PER_SLOT),
+        };
+        let tracker = (config.reuse_threshold > 1).then(|| ReuseTracker::new(c));
+        let mut pool = Self {
+            config,
+            strict,
+            slots: vec![Slot::FREE; c as usize],
+            map: IndexTable::new(
+                c,
+                (c as usize * buckets_per_slot.0).div_ceil(buckets_per_slot.1) + 1,
+            ),
+            free_head: NIL,
+            free_count: 0,
+            idle_count: 0,
+            policy,
+            tracker,
+            stats: Stats::default(),
+            events: Vec::new(),
+            new_hashes: Vec::new(),
+            marked: Vec::new(),
+            dedupe: Vec::new(),
+            dedupe_generation: 0,
+        };
+        pool.rebuild_free_stack();
+        Ok(pool)
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> Stats {
-        todo!()
+        self.stats
+    }
+
+    /// The configuration the pool was created with.
+    pub fn config(&self) -> PoolConfig {
+        self.config
+    }
+
+    /// Number of slots.
+    pub fn slot_count(&self) -> u32 {
+        self.config.slot_count
+    }
+
+    /// Number of present keys (ready or being written).
+    pub fn len(&self) -> usize {
+        (self.config.slot_count - self.free_count) as usize
+    }
+
+    /// Whether no key is present.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Number of slots holding no key.
+    pub fn free_slot_count(&self) -> u32 {
+        self.free_count
+    }
+
+    /// Number of present keys with reference count 0 (ready and not being read): the chunks that
+    /// could be evicted.
+    pub fn idle_count(&self) -> u32 {
+        self.idle_count
+    }
+
+    /// The reference count of `key`'s slot (-1: being written, 0: idle, n: n readers), or `None`
+    /// if absent. Changes nothing (no statistics, no recency).
+    pub fn ref_count(&self, key: ChunkKey) -> Option<i32> {
+        self.find(key, mix(key))
+            .map(|s| i32::from(self.slots[s as usize].refc))
+    }
+
+    /// The slot holding `key`, or `None` if absent. Changes nothing.
+    pub fn slot_of(&self, key: ChunkKey) -> Option<SlotId> {
+        self.find(key, mix(key)).map(SlotId)
+    }
+
+    /// The key held in `slot`, or `None` if the slot is free or out of range. Changes nothing.
+    pub fn key_in(&self, slot: SlotId) -> Option<ChunkKey> {
+        self.slots
+            .get(slot.0 as usize)
+            .filter(|s| s.present())
+            .map(Slot::key)
+    }
+
+    /// How many lookups of `key` the reuse tracker remembers; 0 when the pool has no reuse
+    /// threshold (or the key was forgotten: the tracker holds about `slot_count` keys, a
+    /// least-recently-looked-up one per bucket of 16 making room for a new one).
+    pub fn lookup_count(&self, key: ChunkKey) -> u32 {
+        self.tracker.as_ref().map_or(0, |t| t.count_key(key))
+    }
+
+    /// ARC's adaptive target size of its recency list T1; `None` for LRU.
+    pub fn arc_target(&self) -> Option<u32> {
+        match &self.policy {
+            Policy::Lru(_) => None,
+            Policy::Arc(a) => Some(a.target()),
+        }
+    }
+
+    /// Present keys from the first to be evicted to the last, by the policy's order alone
+    /// (ignoring reference counts). For LRU: least recent first. For ARC: T1 then T2, each least
+    /// recent first (the order among lists depends on the adaptive target). Allocates; for tests.
+    pub fn keys_by_recency(&self) -> Vec<ChunkKey> {
+        let mut order = match &self.policy {
+            Policy::Lru(l) => l.order(&self.slots).unwrap_or_default(),
+            Policy::Arc(a) => a
+                .order(&self.slots)
+                .map(|(t1, t2)| t2.into_iter().chain(t1).collect())
+                .unwrap_or_default(),
+        };
+        order.reverse();
+        order
+            .into_iter()
+            .map(|s| self.slots[s as usize].key())
+            .collect()
+    }
+
+    /// Bytes of metadata per slot, everything included: slot array, key table (at its real
+    /// capacity), ARC ghosts and their table, the reuse tracker and the scratch buffers, divided
+    /// by the slot count and rounded up. The event queue is output waiting to be taken, not
+    /// metadata, and is left out.
+    pub fn metadata_bytes_per_slot(&self) -> usize {
+        let mut bytes = std::mem::size_of::<Self>()
+            + self.slots.capacity() * std::mem::size_of::<Slot>()
+            + self.map.bytes()
+            + self.new_hashes.capacity() * std::mem::size_of::<u64>()
+            + self.marked.capacity() * std::mem::size_of::<u32>()
+            + self.dedupe.capacity() * std::mem::size_of::<DedupeEntry>();
+        if let Policy::Arc(a) = &self.policy {
+            bytes += a.bytes();
+        }
+        if let Some(t) = &self.tracker {
+            bytes += t.bytes();
+        }
+        bytes.div_ceil(self.config.slot_count as usize)
+    }
+
+    /// Checks every invariant of the pool in O(slot count): free count plus present count equals
+    /// the slot count, every present key is found in its slot and on exactly one policy list,
+    /// reference counts are in range, the idle count is right, the ARC ghost bookkeeping holds.
+    /// For tests and the simulator.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let c = self.config.slot_count as usize;
+        let mut free = 0usize;
+        let mut i = self.free_head;
+        while i != NIL {
+            let s = &self.slots[i as usize];
+            if s.present() {
+                return Err(format!("slot {i} is on the free stack but present"));
+            }
+            free += 1;
+            if free > c {
+                return Err("free stack has a cycle".into());
+            }
+            i = s.link.next;
+        }
+        if free != self.free_count as usize {
+            return Err(format!(
+                "free stack holds {free}, free_count says {}",
+                self.free_count
+            ));
+        }
+        let mut present = 0usize;
+        let mut idle = 0u32;
+        for (i, s) in self.slots.iter().enumerate() {
+            if !s.present() {
+                continue;
+            }
+            present += 1;
+            if s.mark != 0 {
+                return Err(format!("slot {i} is still marked"));
+            }
+            if s.refc < -1 {
+                return Err(format!("slot {i} has reference count {}", s.refc));
+            }
+            if s.refc == 0 {
+                idle += 1;
+            }
+            if self.find(s.key(), mix(s.key())) != Some(i as u32) {
+                return Err(format!("slot {i}'s key is not found in the key table"));
+            }
+        }
+        if present + free != c {
+            return Err(format!("{present} present + {free} free != {c} slots"));
+        }
+        if idle != self.idle_count {
+            return Err(format!(
+                "{idle} idle slots, idle_count says {}",
+                self.idle_count
+            ));
+        }
+        if self.map.len() as usize != present {
+            return Err(format!(
+                "key table holds {}, {present} present",
+                self.map.len()
+            ));
+        }
+        let slots = &self.slots;
+        self.map.check(|s| mix(slots[s as usize].key()), true)?;
+        let on_lists = match &self.policy {
+            Policy::Lru(l) => l.order(&self.slots)?.len(),
+            Policy::Arc(a) => {
+                let (t1, t2) = a.order(&self.slots)?;
+                for s in t1.iter().chain(&t2) {
+                    let h = mix(self.slots[*s as usize].key());
+                    if a.ghost_list_of(h).is_some() {
+                        return Err(format!("present slot {s} also has a ghost"));
+                    }
+                }
+                t1.len() + t2.len()
+            }
+        };
+        if on_lists != present {
+            return Err(format!(
+                "{on_lists} slots on policy lists, {present} present"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sizes of ARC's lists T1, T2, B1, B2 (`None` for LRU). For tests.
+    pub fn arc_list_lens(&self) -> Option<[u32; 4]> {
+        match &self.policy {
+            Policy::Lru(_) => None,
+            Policy::Arc(a) => Some(a.list_lens()),
+        }
+    }
+
+    /// Cheap consistency checks of the counters, after every mutating call (debug builds).
+    #[inline]
+    fn debug_check_counts(&self) {
+        debug_assert!(self.free_count <= self.config.slot_count);
+        debug_assert_eq!(
+            self.map.len() as usize,
+            self.len(),
+            "key table != present keys"
+        );
+        debug_assert!(
+            self.idle_count as usize <= self.len(),
+            "more idle than present"
+        );
+        debug_assert!(self.marked.is_empty() && self.new_hashes.is_empty());
+    }
+
+    #[inline]
+    fn find(&self, key: ChunkKey, h: u64) -> Option<u32> {
+        let slots = &self.slots;
+        self.map.find(h, |s| slots[s as usize].is(key))
+    }
+
+    fn rebuild_free_stack(&mut self) {
+        let n = self.slots.len() as u32;
+        for (i, s) in self.slots.iter_mut().enumerate() {
+            let next = i as u32 + 1;
+            *s = Slot {
+                link: Link {
+                    prev: NIL,
+                    next: if next == n { NIL } else { next },
+                },
+                ..Slot::FREE
+            };
+        }
+        self.free_head = 0;
+        self.free_count = n;
+        self.idle_count = 0;
+    }
+
+    #[inline]
+    fn pop_free(&mut self) -> u32 {
+        let s = self.free_head;
+        debug_assert_ne!(s, NIL, "free stack empty");
+        self.free_head = self.slots[s as usize].link.next;
+        self.slots[s as usize].link = Link::UNLINKED;
+        self.free_count -= 1;
+        s
+    }
+
+    #[inline]
+    fn push_free(&mut self, s: u32) {
+        debug_assert!(!self.slots[s as usize].present());
+        self.slots[s as usize] = Slot {
+            link: Link {
+                prev: NIL,
+                next: self.free_head,
+            },
+            ..Slot::FREE
+        };
+        self.free_head = s;
+        self.free_count += 1;
+        debug_assert!(self.free_count <= self.config.slot_count);
+    }
+
+    /// Removes present slot `s` (whose key has hash `h`) from the key table.
+    #[inline]
+    fn unmap(&mut self, s: u32, h: u64) {
+        let slots = &self.slots;
+        let found = self.map.remove(h, s, |i| mix(slots[i as usize].key()));
+        debug_assert!(found, "slot {s} missing from the key table");
+    }
+
+    fn broken(&mut self, what: std::fmt::Arguments<'_>) {
+        self.stats.invariant_failures += 1;
+        invariant::broken(self.strict, what);
+    }
+
+    /// Whether `key` (hash `h`) already is among the call's new keys `new_keys` (whose hashes are
+    /// in `self.new_hashes`). Large calls use the scratch hash set, small ones a linear scan.
+    #[inline]
+    fn is_duplicate(&mut self, new_keys: &[ChunkKey], key: ChunkKey, h: u64, large: bool) -> bool {
+        if !large {
+            return self
+                .new_hashes
+                .iter()
+                .zip(new_keys)
+                .any(|(&hj, &kj)| hj == h && kj == key);
+        }
+        let mask = self.dedupe.len() - 1;
+        let mut p = (h >> 40) as usize & mask;
+        loop {
+            let e = self.dedupe[p];
+            if e.generation != self.dedupe_generation {
+                self.dedupe[p] = DedupeEntry {
+                    h,
+                    generation: self.dedupe_generation,
+                    index: new_keys.len() as u32,
+                };
+                return false;
+            }
+            if e.h == h && new_keys[e.index as usize] == key {
+                return true;
+            }
+            p = (p + 1) & mask;
+        }
+    }
+
+    /// Prepares the dedupe set for a call with `n` keys; returns whether the call uses it.
+    fn start_dedupe(&mut self, n: usize) -> bool {
+        if n <= DEDUPE_LINEAR_MAX {
+            return false;
+        }
+        let want = (2 * n).next_power_of_two();
+        if self.dedupe.len() < want {
+            self.dedupe.clear();
+            self.dedupe.resize(want, DedupeEntry::default());
+            self.dedupe_generation = 0;
+        }
+        self.dedupe_generation = self.dedupe_generation.wrapping_add(1);
+        if self.dedupe_generation == 0 {
+            self.dedupe.fill(DedupeEntry::default());
+            self.dedupe_generation = 1;
+        }
+        true
+    }
+
+    fn unmark_all(&mut self) {
+        for &s in &self.marked {
+            self.slots[s as usize].mark = 0;
+        }
+        self.marked.clear();
+    }
+
+    /// Evicts present idle slot `s`: off the policy, out of the table, onto the free stack.
+    fn evict(&mut self, s: u32) {
+        let slot = self.slots[s as usize];
+        debug_assert!(slot.present() && slot.evictable());
+        let key = slot.key();
+        let h = mix(key);
+        match &mut self.policy {
+            Policy::Lru(l) => l.remove(&mut self.slots, s),
+            Policy::Arc(a) => a.evict(&mut self.slots, s, h),
+        }
+        self.unmap(s, h);
+        self.push_free(s);
+        self.idle_count -= 1;
+        self.stats.evictions += 1;
+        if self.config.events {
+            self.events.push(KvEvent::Removed {
+                key,
+                medium: Medium::Cpu,
+            });
+        }
     }
 }
 
 impl OffloadManager for HostPool {
-    fn lookup(&mut self, _key: ChunkKey, _request: RequestId) -> LookupResult {
-        todo!()
+    fn lookup(&mut self, key: ChunkKey, _request: RequestId) -> LookupResult {
+        let h = mix(key);
+        self.stats.lookups += 1;
+        if let Some(t) = &mut self.tracker {
+            t.record(h);
+        }
+        match self.find(key, h) {
+            None => LookupResult::Miss,
+            Some(s) => {
+                self.stats.lookup_hits += 1;
+                if self.slots[s as usize].refc < 0 {
+                    LookupResult::Pending
+                } else {
+                    LookupResult::Hit
+                }
+            }
+        }
     }
+
     fn prepare_load(
         &mut self,
-        _keys: &[ChunkKey],
+        keys: &[ChunkKey],
         _request: RequestId,
-        _slots: &mut Vec<SlotId>,
+        slots: &mut Vec<SlotId>,
     ) -> Result<(), CoreError> {
-        todo!()
+        let start = slots.len();
+        for &key in keys {
+            let found = self.find(key, mix(key));
+            let refc = found.map_or(-1, |s| i32::from(self.slots[s as usize].refc));
+            let expected = if refc < 0 {
+                "stored and ready"
+            } else if refc as usize + keys.len() > READERS_PER_SLOT_MAX as usize {
+                "below the limit of concurrent readers"
+            } else {
+                slots.push(SlotId(found.unwrap_or(NIL)));
+                continue;
+            };
+            slots.truncate(start);
+            return Err(CoreError::BadKeyState {
+                hash: key.hash,
+                group: key.group,
+                expected,
+            });
+        }
+        for &SlotId(s) in &slots[start..] {
+            let slot = &mut self.slots[s as usize];
+            debug_assert!(slot.present() && slot.refc >= 0);
+            if slot.refc == 0 {
+                self.idle_count -= 1;
+            }
+            slot.refc += 1;
+        }
+        self.debug_check_counts();
+        Ok(())
     }
-    fn complete_load(&mut self, _keys: &[ChunkKey]) {
-        todo!()
+
+    fn complete_load(&mut self, keys: &[ChunkKey]) {
+        for &key in keys {
+            let Some(s) = self.find(key, mix(key)) else {
+                self.broken(format_args!(
+                    "complete_load of absent chunk {:#x}/{}",
+                    key.hash, key.group
+                ));
+                continue;
+            };
+            let slot = &mut self.slots[s as usize];
+            if slot.refc <= 0 {
+                let refc = slot.refc;
+                self.broken(format_args!(
+                    "complete_load of chunk {:#x}/{} with reference count {refc}",
+                    key.hash, key.group
+                ));
+                continue;
+            }
+            slot.refc -= 1;
+            if slot.refc == 0 {
+                self.idle_count += 1;
+            }
+        }
     }
-    fn touch(&mut self, _keys: &[ChunkKey], _request: RequestId) {
-        todo!()
+
+    fn touch(&mut self, keys: &[ChunkKey], _request: RequestId) {
+        for &key in keys.iter().rev() {
+            let h = mix(key);
+            let found = self.find(key, h);
+            match (&mut self.policy, found) {
+                (Policy::Lru(l), Some(s)) => l.touch(&mut self.slots, s),
+                (Policy::Lru(_), None) => {}
+                (Policy::Arc(a), Some(s)) => a.touch(&mut self.slots, s),
+                (Policy::Arc(a), None) => a.touch_absent(h),
+            }
+        }
     }
+
     fn prepare_store(
         &mut self,
-        _keys: &[ChunkKey],
+        keys: &[ChunkKey],
         _request: RequestId,
-        _out: &mut PreparedStore,
+        out: &mut PreparedStore,
     ) -> Result<(), CoreError> {
-        todo!()
+        out.clear();
+        debug_assert!(self.new_hashes.is_empty() && self.marked.is_empty());
+        self.new_hashes.clear();
+        let large = self.start_dedupe(keys.len());
+        let threshold = self.config.reuse_threshold;
+
+        // Phase 1: gather the keys to store into `out.keys`; mark present idle keys so they are
+        // not evicted.
+        let mut marked_idle = 0u32;
+        for &key in keys {
+            let h = mix(key);
+            if let Some(s) = self.find(key, h) {
+                let slot = &mut self.slots[s as usize];
+                if slot.refc == 0 && slot.mark == 0 {
+                    slot.mark = 1;
+                    self.marked.push(s);
+                    marked_idle += 1;
+                }
+                continue;
+            }
+            if let Some(t) = &self.tracker {
+                if t.count(h) < threshold {
+                    continue;
+                }
+            }
+            if self.is_duplicate(&out.keys, key, h, large) {
+                continue;
+            }
+            out.keys.push(key);
+            self.new_hashes.push(h);
+        }
+
+        // Phase 2: is there room? Decided from counters, before changing anything.
+        let needed = out.keys.len();
+        let to_evict = needed.saturating_sub(self.free_count as usize);
+        let evictable = (self.idle_count - marked_idle) as usize;
+        if to_evict > evictable {
+            self.unmark_all();
+            self.new_hashes.clear();
+            out.clear();
+            self.stats.allocation_failures += 1;
+            return Err(CoreError::NoSpace {
+                needed,
+                evictable: self.free_count as usize + evictable,
+            });
+        }
+
+        // Phase 3: evict (each eviction's Removed event precedes any later Stored event), then
+        // reserve a slot for each new key, in the order given.
+        let mut cursor = self.policy.victim_cursor();
+        for _ in 0..to_evict {
+            let Some(v) = self.policy.next_victim(&self.slots, &mut cursor) else {
+                // The idle count promised more evictable chunks than the lists hold.
+                self.broken(format_args!(
+                    "{evictable} slots counted evictable, fewer found"
+                ));
+                break;
+            };
+            self.evict(v);
+        }
+        for n in 0..needed {
+            if self.free_count == 0 {
+                // Only after a broken invariant above: store what fits.
+                out.keys.truncate(n);
+                break;
+            }
+            let (key, h) = (out.keys[n], self.new_hashes[n]);
+            let s = self.pop_free();
+            let slot = &mut self.slots[s as usize];
+            slot.hash = key.hash;
+            slot.group = key.group;
+            slot.refc = -1;
+            match &mut self.policy {
+                Policy::Lru(l) => l.insert(&mut self.slots, s),
+                Policy::Arc(a) => a.insert(&mut self.slots, s, h),
+            }
+            let slots = &self.slots;
+            self.map.insert(h, s, |i| mix(slots[i as usize].key()));
+            out.slots.push(SlotId(s));
+        }
+        self.new_hashes.clear();
+        self.unmark_all();
+        debug_assert_eq!(out.keys.len(), out.slots.len());
+        self.debug_check_counts();
+        Ok(())
     }
-    fn complete_store(&mut self, _keys: &[ChunkKey], _success: bool) {
-        todo!()
+
+    fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
+        for &key in keys {
+            let h = mix(key);
+            let Some(s) = self.find(key, h) else {
+                continue;
+            };
+            if self.slots[s as usize].refc != -1 {
+                continue;
+            }
+            if success {
+                self.slots[s as usize].refc = 0;
+                self.idle_count += 1;
+                self.stats.chunks_stored += 1;
+                if self.config.events {
+                    self.events.push(KvEvent::Stored {
+                        key,
+                        medium: Medium::Cpu,
+                    });
+                }
+            } else {
+                match &mut self.policy {
+                    Policy::Lru(l) => l.remove(&mut self.slots, s),
+                    Policy::Arc(a) => a.remove(&mut self.slots, s),
+                }
+                self.unmap(s, h);
+                self.push_free(s);
+            }
+        }
     }
+
     fn on_request_finished(&mut self, _request: RequestId) {}
+
     fn reset(&mut self) {
-        todo!()
+        // Chunks still being written or read are dropped too: the scheduler's reset tells every
+        // worker to finish jobs older than the reset before any newer job touches a slot.
+        for s in &self.slots {
+            if s.present() && s.refc >= 0 && self.config.events {
+                self.events.push(KvEvent::Removed {
+                    key: s.key(),
+                    medium: Medium::Cpu,
+                });
+            }
+        }
+        self.map.clear();
+        match &mut self.policy {
+            Policy::Lru(l) => l.clear(),
+            Policy::Arc(a) => a.clear(),
+        }
+        if let Some(t) = &mut self.tracker {
+            t.clear();
+        }
+        self.rebuild_free_stack();
     }
-    fn take_events(&mut self, _out: &mut Vec<KvEvent>) {
-        todo!()
+
+    fn take_events(&mut self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.events);
     }
 }

@@ -366,11 +366,14 @@ impl<M: OffloadManager> Scheduler<M> {
             }
         }
         let finishing: Vec<RequestId> = self.finishing.iter().copied().collect();
-        for &id in &finishing {
-            self.build_stores(id, &mut meta.stores);
+        let mut ready = Vec::with_capacity(finishing.len());
+        for id in finishing {
+            if self.build_stores(id, &mut meta.stores) {
+                ready.push(id);
+            }
         }
         // Only after every store of this step was built: the finish signals.
-        for id in finishing {
+        for id in ready {
             self.signal_finish_if_ready(id);
         }
         meta.loads = std::mem::take(&mut self.loads_out);
@@ -577,24 +580,26 @@ impl<M: OffloadManager> Scheduler<M> {
     }
 
     /// Prepares the request's store candidates in the manager and, for the keys not yet present,
-    /// builds one store job. A failed allocation leaves the cursor where it was.
-    fn build_stores(&mut self, id: RequestId, stores: &mut Vec<Job>) {
+    /// builds one store job. A failed allocation leaves the cursor where it was. Returns `false`
+    /// when the stores had to wait (a load in flight, or `jobs_in_flight_max` reached): a finishing
+    /// request is then signalled in a later step, after its final stores.
+    fn build_stores(&mut self, id: RequestId, stores: &mut Vec<Job>) -> bool {
         let config = self.config;
         let Some(Tracked::Live(req)) = self.requests.get_mut(&id) else {
-            return;
+            return true;
         };
-        if req.disabled || req.load_job.is_some() {
-            return;
+        if req.disabled {
+            return true;
         }
-        if self.jobs.len() >= config.jobs_in_flight_max as usize {
-            return;
+        if req.load_job.is_some() || self.jobs.len() >= config.jobs_in_flight_max as usize {
+            return false;
         }
         let mut candidates = std::mem::take(&mut self.scratch_candidates);
         req.store_candidates(&config, &mut candidates);
         if candidates.is_empty() {
             req.advance_cursor(&config);
             self.scratch_candidates = candidates;
-            return;
+            return true;
         }
         self.scratch_keys.clear();
         for &(_, first, count) in &candidates {
@@ -619,7 +624,7 @@ impl<M: OffloadManager> Scheduler<M> {
         self.scratch_prepared = prepared;
         self.scratch_candidates = candidates;
         let Some((transfers, blocks)) = built else {
-            return;
+            return true;
         };
         let job_id = self.allocate_job_id();
         if let Some(Tracked::Live(req)) = self.requests.get_mut(&id) {
@@ -648,19 +653,16 @@ impl<M: OffloadManager> Scheduler<M> {
             kind: JobKind::Store,
             transfers,
         });
+        true
     }
 
-    /// Signals a finishing request's finish, unless its load is still in flight (then its final
-    /// stores and its signal wait for the load). Called only after this step's stores were built.
+    /// Signals a finishing request's finish. Called only after this step's stores were built,
+    /// and only for requests whose final stores did not have to wait.
     fn signal_finish_if_ready(&mut self, id: RequestId) {
+        self.finishing.remove(&id);
         let Some(Tracked::Live(req)) = self.requests.get(&id) else {
-            self.finishing.remove(&id);
             return;
         };
-        if req.load_job.is_some() {
-            return;
-        }
-        self.finishing.remove(&id);
         let jobs = req.store_jobs.clone();
         if jobs.is_empty() {
             self.requests.remove(&id);

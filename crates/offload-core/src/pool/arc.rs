@@ -1,0 +1,348 @@
+//! Adaptive replacement cache (ARC) eviction, after vLLM's ARC offloading manager.
+//!
+//! Present chunks are on T1 (seen once: stored but not touched since) or T2 (touched at least
+//! once). Evicted chunks leave a ghost on B1 or B2: a fingerprint of the key (31 bits kept in the
+//! ghost, plus the ghost table's tag bits; a false ghost hit only nudges the target). The target
+//! size `p` of T1 adapts: touching a key whose ghost is on B1 grows it by max(1, |B2|/|B1|),
+//! touching one on B2 shrinks it by max(1, |B1|/|B2|), within [0, slot_count].
+//!
+//! - insert: new chunks go to the head of T1; their ghost, if any, is dropped.
+//! - touch (walked in reverse by the pool): T1 -> head of T2; T2 -> head of T2; ghost -> adapt p.
+//!   Lookups and loads are not accesses.
+//! - evict: from T1 when T1 is not empty and (T2 is empty or |T1| >= p), else from T2; within the
+//!   list, the least recent evictable chunk. Unlike vLLM, which fails when the chosen list holds
+//!   no evictable chunk, we then take one from the other list (the pool checked beforehand that
+//!   enough evictable chunks exist, so selection never fails half-way).
+//! - ghosts: |B1| + |B2| <= slot_count. When a new ghost would exceed that, the least recent
+//!   ghost of B1 is dropped if |T1| + |B1| >= slot_count (the classic ARC bound on L1) or B2 is
+//!   empty, else the least recent ghost of B2. (vLLM bounds each ghost list by the capacity
+//!   separately; one shared bound halves the memory.)
+//! - a failed store leaves no ghost.
+
+use super::list::{Link, Linked, List, NIL};
+use super::table::IndexTable;
+use super::{Slot, VictimCursor, LIST_FREE, LIST_MAIN, LIST_T2};
+
+/// T1 is the pool's main list tag.
+const LIST_T1: u8 = LIST_MAIN;
+
+// The memory budget (design.md section 7) counts on this size.
+const _: () = assert!(std::mem::size_of::<Ghost>() == 12);
+
+/// A ghost: the high word of a recently evicted key's ghost hash (see [`ghost_hash`]), whose
+/// bit 0 (always 0 in the hash) says which ghost list it is on (0: B1, 1: B2). 12 bytes.
+#[derive(Clone, Copy, Debug)]
+struct Ghost {
+    fp: u32,
+    link: Link,
+}
+
+impl Linked for Ghost {
+    #[inline]
+    fn link(&self) -> Link {
+        self.link
+    }
+    #[inline]
+    fn link_mut(&mut self) -> &mut Link {
+        &mut self.link
+    }
+}
+
+/// The hash a ghost is filed under in the ghost table: the key's mixed hash with bit 32 cleared,
+/// so that bit 0 of the stored high word is free for the list flag, and the high word alone
+/// rebuilds the table's home bucket.
+#[inline]
+fn ghost_hash(h: u64) -> u64 {
+    h & !(1 << 32)
+}
+
+/// The high word of a ghost hash, as stored in a ghost (list flag clear).
+#[inline]
+fn ghost_fp(gh: u64) -> u32 {
+    (gh >> 32) as u32
+}
+
+/// The ghost hash rebuilt from a stored ghost: the high word exactly (enough for the table's home
+/// bucket); the low word is not kept.
+#[inline]
+fn ghost_hash_of(g: &Ghost) -> u64 {
+    u64::from(g.fp & !1) << 32
+}
+
+/// The ARC policy's state.
+#[derive(Clone, Debug)]
+pub(super) struct Arc {
+    t1: List,
+    t2: List,
+    b1: List,
+    b2: List,
+    /// Target size of T1, in [0, capacity].
+    target: u32,
+    capacity: u32,
+    ghosts: Vec<Ghost>,
+    ghost_map: IndexTable,
+    /// Head of the stack of unused ghost entries, linked through `link.next`.
+    ghost_free: u32,
+}
+
+/// Ghost-table buckets per ghost entry: load factor at most 2/5.
+const GHOST_TABLE_FACTOR_NUM: usize = 5;
+const GHOST_TABLE_FACTOR_DEN: usize = 2;
+
+impl Arc {
+    /// A policy for a pool of `capacity` slots (at most `capacity` ghosts).
+    pub(super) fn new(capacity: u32) -> Self {
+        let table_capacity =
+            (capacity as usize * GHOST_TABLE_FACTOR_NUM).div_ceil(GHOST_TABLE_FACTOR_DEN) + 1;
+        let mut arc = Self {
+            t1: List::EMPTY,
+            t2: List::EMPTY,
+            b1: List::EMPTY,
+            b2: List::EMPTY,
+            target: 0,
+            capacity,
+            ghosts: vec![
+                Ghost {
+                    fp: 0,
+                    link: Link::UNLINKED,
+                };
+                capacity as usize
+            ],
+            ghost_map: IndexTable::new(capacity, table_capacity),
+            ghost_free: NIL,
+        };
+        arc.clear();
+        arc
+    }
+
+    /// The adaptive target size of T1.
+    pub(super) fn target(&self) -> u32 {
+        self.target
+    }
+
+    /// Sizes of T1, T2, B1, B2.
+    pub(super) fn list_lens(&self) -> [u32; 4] {
+        [self.t1.len, self.t2.len, self.b1.len, self.b2.len]
+    }
+
+    /// Puts the newly reserved slot `s` (key hash `h`) at the head of T1, dropping its ghost.
+    #[inline]
+    pub(super) fn insert(&mut self, slots: &mut [Slot], s: u32, h: u64) {
+        debug_assert_eq!(slots[s as usize].list, LIST_FREE);
+        if self.ghost_map.len() > 0 {
+            if let Some(g) = self.find_ghost(h) {
+                self.remove_ghost(g);
+            }
+        }
+        slots[s as usize].list = LIST_T1;
+        self.t1.push_front(slots, s);
+    }
+
+    /// Takes slot `s` off its list (failed store: no ghost).
+    #[inline]
+    pub(super) fn remove(&mut self, slots: &mut [Slot], s: u32) {
+        match slots[s as usize].list {
+            LIST_T1 => self.t1.unlink(slots, s),
+            LIST_T2 => self.t2.unlink(slots, s),
+            other => unreachable!("slot {s} on no ARC list (tag {other})"),
+        }
+        slots[s as usize].list = LIST_FREE;
+    }
+
+    /// An access to present slot `s`: T1 -> head of T2, T2 -> head of T2.
+    #[inline]
+    pub(super) fn touch(&mut self, slots: &mut [Slot], s: u32) {
+        match slots[s as usize].list {
+            LIST_T1 => {
+                self.t1.unlink(slots, s);
+                slots[s as usize].list = LIST_T2;
+                self.t2.push_front(slots, s);
+            }
+            LIST_T2 => self.t2.move_to_front(slots, s),
+            other => unreachable!("slot {s} on no ARC list (tag {other})"),
+        }
+    }
+
+    /// An access to an absent key with hash `h`: a ghost hit adapts the target.
+    #[inline]
+    pub(super) fn touch_absent(&mut self, h: u64) {
+        if self.ghost_map.len() == 0 {
+            return;
+        }
+        let Some(g) = self.find_ghost(h) else {
+            return;
+        };
+        let (b1, b2) = (self.b1.len, self.b2.len);
+        if self.ghosts[g as usize].fp & 1 == 0 {
+            let delta = b2.checked_div(b1).map_or(1, |d| d.max(1));
+            self.target = self.target.saturating_add(delta).min(self.capacity);
+        } else {
+            let delta = b1.checked_div(b2).map_or(1, |d| d.max(1));
+            self.target = self.target.saturating_sub(delta);
+        }
+    }
+
+    /// Where a victim search starts: the least recent slots of T1 and T2.
+    pub(super) fn victim_cursor(&self) -> VictimCursor {
+        VictimCursor {
+            first: self.t1.tail,
+            second: self.t2.tail,
+        }
+    }
+
+    /// The next victim: from T1 when T1 is not empty and (T2 is empty or |T1| >= p), else from
+    /// T2, falling back to the other list; the least recent evictable slot at or after that
+    /// list's cursor. The cursors move past it, so evicting it keeps them valid.
+    #[inline]
+    pub(super) fn next_victim(&self, slots: &[Slot], cursor: &mut VictimCursor) -> Option<u32> {
+        let (t1_len, t2_len) = (self.t1.len, self.t2.len);
+        let from_t1 = t1_len > 0 && (t2_len == 0 || t1_len >= self.target);
+        if from_t1 {
+            next_evictable(slots, &mut cursor.first)
+                .or_else(|| next_evictable(slots, &mut cursor.second))
+        } else {
+            next_evictable(slots, &mut cursor.second)
+                .or_else(|| next_evictable(slots, &mut cursor.first))
+        }
+    }
+
+    /// Evicts slot `s` (key hash `h`): off T1/T2, and a ghost onto B1/B2.
+    pub(super) fn evict(&mut self, slots: &mut [Slot], s: u32, h: u64) {
+        let to_b2 = slots[s as usize].list == LIST_T2;
+        self.remove(slots, s);
+        self.push_ghost(h, to_b2);
+    }
+
+    #[inline]
+    fn find_ghost(&self, h: u64) -> Option<u32> {
+        let gh = ghost_hash(h);
+        let fp = ghost_fp(gh);
+        let ghosts = &self.ghosts;
+        self.ghost_map
+            .find(gh, |g| ghosts[g as usize].fp & !1 == fp)
+    }
+
+    fn push_ghost(&mut self, h: u64, to_b2: bool) {
+        debug_assert!(self.find_ghost(h).is_none(), "a present key has a ghost");
+        if self.b1.len + self.b2.len >= self.capacity {
+            let from_b1 =
+                self.b1.len > 0 && (self.t1.len + self.b1.len >= self.capacity || self.b2.len == 0);
+            let g = if from_b1 { self.b1.tail } else { self.b2.tail };
+            debug_assert_ne!(g, NIL);
+            self.remove_ghost(g);
+        }
+        let g = self.ghost_free;
+        debug_assert_ne!(g, NIL, "ghost arena exhausted");
+        self.ghost_free = self.ghosts[g as usize].link.next;
+        let gh = ghost_hash(h);
+        self.ghosts[g as usize] = Ghost {
+            fp: ghost_fp(gh) | u32::from(to_b2),
+            link: Link::UNLINKED,
+        };
+        if to_b2 {
+            self.b2.push_front(&mut self.ghosts, g);
+        } else {
+            self.b1.push_front(&mut self.ghosts, g);
+        }
+        let ghosts = &self.ghosts;
+        self.ghost_map
+            .insert(gh, g, |i| ghost_hash_of(&ghosts[i as usize]));
+    }
+
+    fn remove_ghost(&mut self, g: u32) {
+        let ghost = self.ghosts[g as usize];
+        if ghost.fp & 1 == 0 {
+            self.b1.unlink(&mut self.ghosts, g);
+        } else {
+            self.b2.unlink(&mut self.ghosts, g);
+        }
+        let ghosts = &self.ghosts;
+        let found = self.ghost_map.remove(ghost_hash_of(&ghost), g, |i| {
+            ghost_hash_of(&ghosts[i as usize])
+        });
+        debug_assert!(found, "ghost {g} missing from the ghost table");
+        self.ghosts[g as usize].link.next = self.ghost_free;
+        self.ghost_free = g;
+    }
+
+    /// Forgets every slot and ghost; the target goes back to 0.
+    pub(super) fn clear(&mut self) {
+        self.t1 = List::EMPTY;
+        self.t2 = List::EMPTY;
+        self.b1 = List::EMPTY;
+        self.b2 = List::EMPTY;
+        self.target = 0;
+        self.ghost_map.clear();
+        let n = self.ghosts.len() as u32;
+        for (i, g) in self.ghosts.iter_mut().enumerate() {
+            let next = i as u32 + 1;
+            *g = Ghost {
+                fp: 0,
+                link: Link {
+                    prev: NIL,
+                    next: if next == n { NIL } else { next },
+                },
+            };
+        }
+        self.ghost_free = if n == 0 { NIL } else { 0 };
+    }
+
+    /// Bytes of memory held (ghost arena and ghost table; slot links live in the slots).
+    pub(super) fn bytes(&self) -> usize {
+        self.ghosts.capacity() * std::mem::size_of::<Ghost>() + self.ghost_map.bytes()
+    }
+
+    /// Whether the key with hash `h` has a ghost, and on which list (false: B1, true: B2).
+    pub(super) fn ghost_list_of(&self, h: u64) -> Option<bool> {
+        self.find_ghost(h)
+            .map(|g| self.ghosts[g as usize].fp & 1 == 1)
+    }
+
+    /// T1 and T2 in recency order, most recent first; checks links, tags, ghost bookkeeping.
+    pub(super) fn order(&self, slots: &[Slot]) -> Result<(Vec<u32>, Vec<u32>), String> {
+        let t1 = self.t1.collect(slots)?;
+        let t2 = self.t2.collect(slots)?;
+        if let Some(&bad) = t1.iter().find(|&&s| slots[s as usize].list != LIST_T1) {
+            return Err(format!("slot {bad} on T1 has a wrong list tag"));
+        }
+        if let Some(&bad) = t2.iter().find(|&&s| slots[s as usize].list != LIST_T2) {
+            return Err(format!("slot {bad} on T2 has a wrong list tag"));
+        }
+        let b1 = self.b1.collect(&self.ghosts)?;
+        let b2 = self.b2.collect(&self.ghosts)?;
+        if b1.iter().any(|&g| self.ghosts[g as usize].fp & 1 != 0)
+            || b2.iter().any(|&g| self.ghosts[g as usize].fp & 1 != 1)
+        {
+            return Err("ghost list tag mismatch".into());
+        }
+        if self.b1.len + self.b2.len > self.capacity {
+            return Err("more ghosts than slots".into());
+        }
+        if self.ghost_map.len() != self.b1.len + self.b2.len {
+            return Err("ghost table size != ghost count".into());
+        }
+        if self.target > self.capacity {
+            return Err(format!("ARC target {} > capacity", self.target));
+        }
+        let ghosts = &self.ghosts;
+        // Ghosts keep only the high word of their hash, so the table's tags cannot be checked.
+        self.ghost_map
+            .check(|g| ghost_hash_of(&ghosts[g as usize]), false)?;
+        Ok((t1, t2))
+    }
+}
+
+/// Walks `cursor` toward the head until an evictable slot; returns it and leaves the cursor on
+/// the slot after it.
+#[inline]
+fn next_evictable(slots: &[Slot], cursor: &mut u32) -> Option<u32> {
+    while *cursor != NIL {
+        let i = *cursor;
+        let slot = &slots[i as usize];
+        *cursor = slot.link.prev;
+        if slot.evictable() {
+            return Some(i);
+        }
+    }
+    None
+}

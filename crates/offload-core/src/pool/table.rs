@@ -1,0 +1,393 @@
+//! The key hash and a compact open-addressing index table: maps a 64-bit key hash to an index
+//! into an arena (slots or ghost entries) that holds the keys themselves.
+//!
+//! Each table entry is one `u32`: the arena index in the low bits (as many as the arena needs),
+//! the entry's displacement from its home bucket in the top [`DISP_BITS`] bits (saturating), and
+//! a tag (more bits of the hash) in between. Linear probing in Robin Hood order: along a
+//! probe path, displacements never grow by more than one per bucket, so
+//!
+//! - a search rejects most non-matching entries by tag without touching the arena, and stops as
+//!   soon as it meets an entry displaced less than its own probe distance;
+//! - a deletion shifts the following entries back by one until an empty bucket or an entry at its
+//!   home (no tombstones, no re-hashing).
+//!
+//! Only a saturated displacement (rare at our load factor) needs the key's hash, which the caller
+//! supplies by index. The capacity is chosen at creation and never changes, so the load factor is
+//! bounded by `arena_len / capacity`. Iteration order is never exposed.
+
+use crate::key::ChunkKey;
+
+/// The mixed 64-bit hash of a key, used for the index tables, ghost fingerprints and the reuse
+/// tracker. A bijection of `hash ^ f(group)` (the splitmix64 finalizer), so sequential test keys
+/// spread as well as real prefix hashes.
+#[inline]
+pub(crate) fn mix(key: ChunkKey) -> u64 {
+    let mut x = key.hash ^ u64::from(key.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// An empty table entry. Never a valid entry: its index part is `idx_mask`, and every arena index
+/// is below `idx_mask`.
+const EMPTY: u32 = u32::MAX;
+
+/// Bits an entry spends on its displacement (the top bits).
+pub(crate) const DISP_BITS: u32 = 4;
+const DISP_SHIFT: u32 = 32 - DISP_BITS;
+/// Largest displacement stored exactly; this value also means "this or more".
+const DISP_MAX: u32 = (1 << DISP_BITS) - 1;
+
+/// Largest arena an index table can serve (the index bits must leave room for the displacement).
+pub(crate) const ARENA_LEN_MAX: u32 = (1 << DISP_SHIFT) - 1;
+
+/// Maps hashes to arena indices; the caller supplies key comparison and re-hashing by index.
+#[derive(Clone, Debug)]
+pub(crate) struct IndexTable {
+    entries: Vec<u32>,
+    idx_mask: u32,
+    /// Bits of the tag: between the index and the displacement.
+    tag_mask: u32,
+    len: u32,
+}
+
+impl IndexTable {
+    /// A table for an arena of at most [`ARENA_LEN_MAX`] entries with `capacity` buckets;
+    /// `capacity` must exceed `arena_len`, so probing always ends at an empty bucket.
+    pub(crate) fn new(arena_len: u32, capacity: usize) -> Self {
+        assert!(
+            arena_len <= ARENA_LEN_MAX,
+            "arena too large for an index table"
+        );
+        assert!(capacity > arena_len as usize && capacity <= u32::MAX as usize);
+        let idx_bits = 32 - arena_len.leading_zeros();
+        let idx_mask = low_bits(idx_bits);
+        debug_assert!(arena_len <= idx_mask);
+        Self {
+            entries: vec![EMPTY; capacity],
+            idx_mask,
+            tag_mask: low_bits(DISP_SHIFT) & !idx_mask,
+            len: 0,
+        }
+    }
+
+    /// Number of indices stored.
+    #[inline]
+    pub(crate) fn len(&self) -> u32 {
+        self.len
+    }
+
+    /// Bytes of memory the table holds.
+    pub(crate) fn bytes(&self) -> usize {
+        self.entries.capacity() * std::mem::size_of::<u32>()
+    }
+
+    #[inline]
+    fn home(&self, h: u64) -> usize {
+        // Range reduction by multiplication (Lemire): no power-of-two capacity needed.
+        (((h >> 32) * self.entries.len() as u64) >> 32) as usize
+    }
+
+    #[inline]
+    fn tag(&self, h: u64) -> u32 {
+        // The low word's top bits; independent of the bits `home` uses.
+        (h as u32) & self.tag_mask
+    }
+
+    #[inline]
+    fn disp(&self, e: u32) -> u32 {
+        e >> DISP_SHIFT
+    }
+
+    #[inline]
+    fn with_disp(&self, e: u32, disp: usize) -> u32 {
+        let d = (disp as u32).min(DISP_MAX);
+        (e & low_bits(DISP_SHIFT)) | (d << DISP_SHIFT)
+    }
+
+    #[inline]
+    fn next(&self, i: usize) -> usize {
+        let j = i + 1;
+        if j == self.entries.len() {
+            0
+        } else {
+            j
+        }
+    }
+
+    /// Cyclic distance from bucket `a` forward to bucket `b`.
+    #[inline]
+    fn dist(&self, a: usize, b: usize) -> usize {
+        if b >= a {
+            b - a
+        } else {
+            b + self.entries.len() - a
+        }
+    }
+
+    /// The index whose entry has `h`'s tag and for which `eq` holds, if any.
+    #[inline]
+    pub(crate) fn find(&self, h: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
+        let tag = self.tag(h);
+        let mut i = self.home(h);
+        let mut d = 0u32;
+        loop {
+            let e = self.entries[i];
+            if e == EMPTY {
+                return None;
+            }
+            // An entry displaced less than our probe distance: in Robin Hood order, the key would
+            // sit before it. (A saturated displacement never ends the search early.)
+            if self.disp(e) < d.min(DISP_MAX) {
+                return None;
+            }
+            if e & self.tag_mask == tag && eq(e & self.idx_mask) {
+                return Some(e & self.idx_mask);
+            }
+            i = self.next(i);
+            d += 1;
+        }
+    }
+
+    /// The exact displacement of entry `e` at bucket `i`, recomputing it from the key's hash only
+    /// when the stored field is saturated.
+    #[inline]
+    fn exact_disp(&self, e: u32, i: usize, hash_of: &mut impl FnMut(u32) -> u64) -> u32 {
+        let d = self.disp(e);
+        if d < DISP_MAX {
+            d
+        } else {
+            self.dist(self.home(hash_of(e & self.idx_mask)), i) as u32
+        }
+    }
+
+    /// Adds `idx` under `h`. The caller guarantees that no equal key is present. `hash_of` gives
+    /// the hash stored for any other index (called only for saturated displacements).
+    #[inline]
+    pub(crate) fn insert(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) {
+        debug_assert!(idx < self.idx_mask);
+        debug_assert!(
+            (self.len as usize) < self.entries.len() - 1,
+            "index table full"
+        );
+        let mut carried = self.tag(h) | idx;
+        let mut d = 0u32;
+        let mut i = self.home(h);
+        loop {
+            let e = self.entries[i];
+            if e == EMPTY {
+                self.entries[i] = self.with_disp(carried, d as usize);
+                self.len += 1;
+                return;
+            }
+            debug_assert!(e & self.idx_mask != idx, "index inserted twice");
+            let stored = self.disp(e);
+            // Robin Hood: the entry closer to its home yields its bucket.
+            if stored < d.min(DISP_MAX)
+                || (stored == DISP_MAX && d > stored && self.exact_disp(e, i, &mut hash_of) < d)
+            {
+                let e_disp = self.exact_disp(e, i, &mut hash_of);
+                self.entries[i] = self.with_disp(carried, d as usize);
+                carried = e;
+                d = e_disp;
+            }
+            i = self.next(i);
+            d += 1;
+        }
+    }
+
+    /// Removes the entry for `idx`, stored under `h`. `hash_of` gives the hash stored for any
+    /// other index (called only for saturated displacements). Returns whether it was found.
+    pub(crate) fn remove(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
+        let mut i = self.home(h);
+        let mut d = 0u32;
+        loop {
+            let e = self.entries[i];
+            if e == EMPTY || self.disp(e) < d.min(DISP_MAX) {
+                return false;
+            }
+            if e & self.idx_mask == idx {
+                break;
+            }
+            i = self.next(i);
+            d += 1;
+        }
+        // Backward shift: each following entry away from its home moves back one bucket.
+        let mut hole = i;
+        loop {
+            let j = self.next(hole);
+            let e = self.entries[j];
+            if e == EMPTY || self.disp(e) == 0 {
+                break;
+            }
+            let d = self.exact_disp(e, j, &mut hash_of);
+            self.entries[hole] = self.with_disp(e, d as usize - 1);
+            hole = j;
+        }
+        self.entries[hole] = EMPTY;
+        self.len -= 1;
+        true
+    }
+
+    /// Removes every entry.
+    pub(crate) fn clear(&mut self) {
+        self.entries.fill(EMPTY);
+        self.len = 0;
+    }
+
+    /// Checks that every stored entry is reachable from its home bucket, with the right tag and
+    /// displacement, in Robin Hood order (tests and invariant checks only; O(capacity) hash computations).
+    /// With `check_tags` false, `hash_of` need only be right in its high word (the home bucket).
+    pub(crate) fn check(
+        &self,
+        mut hash_of: impl FnMut(u32) -> u64,
+        check_tags: bool,
+    ) -> Result<(), String> {
+        let mut count = 0u32;
+        for (pos, &e) in self.entries.iter().enumerate() {
+            if e == EMPTY {
+                continue;
+            }
+            count += 1;
+            let idx = e & self.idx_mask;
+            let h = hash_of(idx);
+            if check_tags && e & self.tag_mask != self.tag(h) {
+                return Err(format!("index table entry {idx} has a wrong tag"));
+            }
+            let home = self.home(h);
+            let want = (self.dist(home, pos) as u32).min(DISP_MAX);
+            if self.disp(e) != want {
+                return Err(format!(
+                    "index table entry {idx} has displacement {}, expected {want}",
+                    self.disp(e)
+                ));
+            }
+            let prev = self.entries[(pos + self.entries.len() - 1) % self.entries.len()];
+            let exact = self.dist(home, pos);
+            if prev == EMPTY && exact != 0 {
+                return Err(format!(
+                    "index table entry {idx} starts a cluster away from home"
+                ));
+            }
+            if prev != EMPTY {
+                let prev_pos = (pos + self.entries.len() - 1) % self.entries.len();
+                let prev_exact = self.dist(self.home(hash_of(prev & self.idx_mask)), prev_pos);
+                if exact > prev_exact + 1 {
+                    return Err(format!("index table entry {idx} breaks Robin Hood order"));
+                }
+            }
+            let mut i = home;
+            while i != pos {
+                if self.entries[i] == EMPTY {
+                    return Err(format!("index table entry {idx} unreachable from its home"));
+                }
+                i = self.next(i);
+            }
+        }
+        if count != self.len {
+            return Err(format!(
+                "index table holds {count} entries, len says {}",
+                self.len
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A mask of the `n` low bits (`n` <= 32).
+fn low_bits(n: u32) -> u32 {
+    if n >= 32 {
+        u32::MAX
+    } else {
+        (1u32 << n) - 1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(n: u64) -> ChunkKey {
+        ChunkKey::new(n, 0)
+    }
+
+    #[test]
+    fn mix_differs_by_group_and_hash() {
+        assert_ne!(mix(ChunkKey::new(1, 0)), mix(ChunkKey::new(1, 1)));
+        assert_ne!(mix(key(1)), mix(key(2)));
+        assert_eq!(mix(key(7)), mix(key(7)));
+    }
+
+    #[test]
+    fn insert_find_remove_with_full_clusters() {
+        // A tiny table forces long clusters and wrap-around.
+        let n = 40u32;
+        let hashes: Vec<u64> = (0..n).map(|i| mix(key(u64::from(i)))).collect();
+        let mut t = IndexTable::new(n, n as usize + 1);
+        for (i, &h) in hashes.iter().enumerate() {
+            t.insert(h, i as u32, |j| hashes[j as usize]);
+        }
+        t.check(|i| hashes[i as usize], true).unwrap();
+        for (i, &h) in hashes.iter().enumerate() {
+            assert_eq!(t.find(h, |j| j == i as u32), Some(i as u32));
+        }
+        // Remove every other one, then every lookup must still agree.
+        for i in (0..n).step_by(2) {
+            assert!(t.remove(hashes[i as usize], i, |j| hashes[j as usize]));
+            t.check(|i| hashes[i as usize], true).unwrap();
+        }
+        assert!(!t.remove(hashes[0], 0, |j| hashes[j as usize]));
+        for i in 0..n {
+            let found = t.find(hashes[i as usize], |j| j == i);
+            assert_eq!(found.is_some(), i % 2 == 1, "index {i}");
+        }
+        assert_eq!(t.len(), n / 2);
+        t.clear();
+        assert_eq!(t.len(), 0);
+        assert_eq!(t.find(hashes[1], |_| true), None);
+    }
+}
+
+#[cfg(test)]
+mod proptests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Random inserts and removes at a high load factor agree with a plain vector model,
+        /// and the table's own check (tags, displacements, reachability) holds after each step.
+        #[test]
+        fn table_agrees_with_a_vector(
+            capacity_extra in 1usize..8,
+            ops in prop::collection::vec((any::<bool>(), 0u32..48), 1..300),
+        ) {
+            let arena = 48u32;
+            // Hashes with few distinct home buckets, to force collisions and long clusters.
+            let hashes: Vec<u64> = (0..arena)
+                .map(|i| (u64::from(i % 5) << 61) | u64::from(i).wrapping_mul(0x9E37_79B9))
+                .collect();
+            let mut t = IndexTable::new(arena, arena as usize + capacity_extra);
+            let mut present = vec![false; arena as usize];
+            for (insert, i) in ops {
+                let h = hashes[i as usize];
+                if insert && !present[i as usize] {
+                    t.insert(h, i, |j| hashes[j as usize]);
+                    present[i as usize] = true;
+                } else if !insert {
+                    let removed = t.remove(h, i, |j| hashes[j as usize]);
+                    prop_assert_eq!(removed, present[i as usize]);
+                    present[i as usize] = false;
+                }
+                if let Err(e) = t.check(|j| hashes[j as usize], true) {
+                    return Err(TestCaseError::fail(e));
+                }
+                for j in 0..arena {
+                    let found = t.find(hashes[j as usize], |x| x == j);
+                    prop_assert_eq!(found.is_some(), present[j as usize]);
+                }
+            }
+        }
+    }
+}
