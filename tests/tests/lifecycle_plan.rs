@@ -167,7 +167,7 @@ fn deferred_finish_signals_survive_resets_exactly_once() {
             assert_stores_precede_finish(&sim);
             let log = sim.checker().log();
             assert!(
-                log.iter().any(|c| *c == ManagerCall::Reset),
+                log.contains(&ManagerCall::Reset),
                 "no reset reached the manager"
             );
         }
