@@ -1,9 +1,10 @@
 //! Runs 16 requests that share one prefix through kvtier's scheduler and host pool on the
-//! simulated engine, prints the report as JSON, and exits non-zero on any integrity or invariant
-//! failure. Usage: `cargo run -p engine-sim --example shared_prefix -- [--seed N] [--async]
-//! [--workers N] [--delay N] [--gpu-blocks N] [--gap STEPS] [--background N]` (`--gap 60
-//! --background 4` spaces the requests out with background traffic that evicts the prefix from
-//! the GPU cache, so each later request loads it from the host pool).
+//! simulated engine, prints a summary (or the whole report with `--json`), and exits non-zero on
+//! any integrity or invariant failure. Usage: `cargo run -p engine-sim --example shared_prefix --
+//! [--seed N] [--sync] [--workers N] [--delay N] [--gpu-blocks N] [--gap STEPS] [--background N]
+//! [--json]`. By default the requests arrive 60 steps apart with 4 unrelated background requests
+//! between them, which evict the prefix from the GPU cache, so each later request loads it from the
+//! host pool (`--gap 0 --background 0`: all 16 at once).
 
 use std::process::ExitCode;
 
@@ -18,18 +19,20 @@ struct Args {
     gpu_blocks: u32,
     gap: u64,
     background: u32,
+    json: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         seed: 1,
-        async_scheduling: false,
-        workers: 1,
-        delay: 0,
-        // Too small for all 16 at once: preempted requests reload their KV from the host pool.
-        gpu_blocks: 128,
-        gap: 0,
-        background: 0,
+        async_scheduling: true,
+        workers: 2,
+        delay: 2,
+        // Too small to keep every prefix: requests reload their KV from the host pool.
+        gpu_blocks: 192,
+        gap: 60,
+        background: 4,
+        json: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -40,6 +43,8 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--seed" => args.seed = value("--seed")?,
             "--async" => args.async_scheduling = true,
+            "--sync" => args.async_scheduling = false,
+            "--json" => args.json = true,
             "--workers" => {
                 args.workers = u32::try_from(value("--workers")?).map_err(|e| e.to_string())?
             }
@@ -102,9 +107,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match serde_json::to_string_pretty(&report) {
-        Ok(json) => println!("{json}"),
-        Err(e) => eprintln!("shared_prefix: cannot print the report: {e}"),
+    if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(json) => println!("{json}"),
+            Err(e) => eprintln!("shared_prefix: cannot print the report: {e}"),
+        }
+    } else {
+        print_summary(&report, &args);
     }
     if report.is_clean() {
         ExitCode::SUCCESS
@@ -115,4 +124,46 @@ fn main() -> ExitCode {
         );
         ExitCode::FAILURE
     }
+}
+
+/// A short human-readable summary of a run.
+fn print_summary(r: &engine_sim::SimReport, args: &Args) {
+    let mode = if args.async_scheduling {
+        "async"
+    } else {
+        "sync"
+    };
+    let pct = |n: u64| 100.0 * n as f64 / r.prompt_tokens.max(1) as f64;
+    println!(
+        "kvtier engine simulation (seed {}, {mode} scheduling, {} workers, {} steps)",
+        r.seed, args.workers, r.steps
+    );
+    println!(
+        "  requests       {} finished, {} aborted of {}",
+        r.requests_finished, r.requests_aborted, r.requests_total
+    );
+    println!("  prompt tokens  {}", r.prompt_tokens);
+    println!(
+        "    from GPU prefix cache  {:>8} ({:.1}%)",
+        r.tokens_gpu_cached,
+        pct(r.tokens_gpu_cached)
+    );
+    println!(
+        "    loaded by kvtier       {:>8} ({:.1}%)",
+        r.tokens_loaded,
+        pct(r.tokens_loaded)
+    );
+    println!(
+        "  jobs           {} loads ok, {} failed; {} stores ({} chunks), {} flushed",
+        r.loads_ok, r.loads_failed, r.store_jobs, r.chunks_stored, r.flushes
+    );
+    println!(
+        "  deferred final stores {}, preemptions {}",
+        r.finishes_deferred, r.preemptions
+    );
+    println!(
+        "  integrity failures {} (loaded blocks differing from recompute), store mismatches {}, \
+         invariant failures {}",
+        r.integrity_failures, r.store_mismatches, r.invariant_failures
+    );
 }

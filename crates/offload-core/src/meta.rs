@@ -81,3 +81,46 @@ pub struct WorkerOutput {
     /// Jobs this worker completed since its last report, each exactly once.
     pub acks: Vec<JobAck>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::{BlockId, ChunkKey, JobId, RequestId, SlotId};
+
+    #[test]
+    fn metadata_round_trips_through_json() {
+        let meta = ConnectorMeta {
+            step: 7,
+            reset_before: Some(JobId(3)),
+            flush: vec![JobId(4)],
+            loads: vec![Job {
+                id: JobId(5),
+                request: RequestId(9),
+                kind: JobKind::Load,
+                transfers: vec![Transfer {
+                    key: ChunkKey::new(u64::MAX, 1),
+                    slot: SlotId(2),
+                    first_block_in_chunk: 1,
+                    gpu_blocks: vec![BlockId(10), BlockId(11)],
+                }],
+            }],
+            stores: Vec::new(),
+            finished: vec![RequestId(8)],
+        };
+        let text = serde_json::to_string(&meta).expect("serializes");
+        let back: ConnectorMeta = serde_json::from_str(&text).expect("deserializes");
+        assert_eq!(back, meta);
+        let output = WorkerOutput {
+            worker: 2,
+            acks: vec![JobAck {
+                job: JobId(5),
+                success: false,
+            }],
+        };
+        let text = serde_json::to_string(&output).expect("serializes");
+        assert_eq!(
+            serde_json::from_str::<WorkerOutput>(&text).expect("deserializes"),
+            output
+        );
+    }
+}
