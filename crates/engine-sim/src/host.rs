@@ -84,20 +84,20 @@ pub struct BlockCopy {
     pub len: usize,
 }
 
-/// Performs block copies. The simulator's default is [`MemcpyEngine`].
+/// Performs block copies. The simulator's default is [`HostPathEngine`], tier-gpu's host path.
 pub trait CopyEngine {
     /// Copies every range of `copies` in `direction`. Ranges are in bounds (checked by
-    /// [`transfer_copies`]).
+    /// [`transfer_copies`]); an error means nothing may be assumed copied (the job fails).
     fn copy_blocks(
         &mut self,
         direction: CopyDirection,
         gpu: &mut [u8],
         host: &mut [u8],
         copies: &[BlockCopy],
-    );
+    ) -> Result<(), String>;
 }
 
-/// Plain `copy_from_slice` copies.
+/// Plain `copy_from_slice` copies on the calling thread.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MemcpyEngine;
 
@@ -108,7 +108,7 @@ impl CopyEngine for MemcpyEngine {
         gpu: &mut [u8],
         host: &mut [u8],
         copies: &[BlockCopy],
-    ) {
+    ) -> Result<(), String> {
         for c in copies {
             let g = c.gpu_offset..c.gpu_offset + c.len;
             let h = c.host_offset..c.host_offset + c.len;
@@ -117,6 +117,64 @@ impl CopyEngine for MemcpyEngine {
                 CopyDirection::HostToGpu => gpu[g].copy_from_slice(&host[h]),
             }
         }
+        Ok(())
+    }
+}
+
+/// tier-gpu's host path ([`tier_gpu::HostCopier`]): bounds- and overlap-checked copies, split
+/// across its copy threads when large (small batches run on the calling thread).
+pub struct HostPathEngine {
+    copier: std::sync::Arc<tier_gpu::HostCopier>,
+    runs: Vec<tier_gpu::CopyRun>,
+}
+
+impl HostPathEngine {
+    /// Copies through `copier`.
+    pub fn new(copier: std::sync::Arc<tier_gpu::HostCopier>) -> Self {
+        Self {
+            copier,
+            runs: Vec::new(),
+        }
+    }
+}
+
+/// The process-wide host-path copier the simulator uses by default (two copy threads), or `None`
+/// if its threads could not be started.
+pub fn shared_copier() -> Option<std::sync::Arc<tier_gpu::HostCopier>> {
+    static COPIER: std::sync::OnceLock<Option<std::sync::Arc<tier_gpu::HostCopier>>> =
+        std::sync::OnceLock::new();
+    COPIER
+        .get_or_init(|| tier_gpu::HostCopier::new(2).ok().map(std::sync::Arc::new))
+        .clone()
+}
+
+/// The default copy engine: tier-gpu's host path, or plain memcpy if its threads could not start.
+pub fn default_copy_engine() -> Box<dyn CopyEngine> {
+    match shared_copier() {
+        Some(copier) => Box::new(HostPathEngine::new(copier)),
+        None => Box::new(MemcpyEngine),
+    }
+}
+
+impl CopyEngine for HostPathEngine {
+    fn copy_blocks(
+        &mut self,
+        direction: CopyDirection,
+        gpu: &mut [u8],
+        host: &mut [u8],
+        copies: &[BlockCopy],
+    ) -> Result<(), String> {
+        self.runs.clear();
+        self.runs.extend(copies.iter().map(|c| tier_gpu::CopyRun {
+            engine_addr: c.gpu_offset as u64,
+            host_offset: c.host_offset as u64,
+            len: c.len as u64,
+        }));
+        let direction = match direction {
+            CopyDirection::GpuToHost => tier_gpu::host::Direction::ToHost,
+            CopyDirection::HostToGpu => tier_gpu::host::Direction::ToEngine,
+        };
+        self.copier.copy(direction, gpu, host, &self.runs)
     }
 }
 
@@ -229,32 +287,42 @@ mod tests {
     }
 
     #[test]
-    fn sharded_round_trip_moves_whole_blocks() {
-        let g = geo();
-        let mut gpu: Vec<u8> = (0..80).map(|i| i as u8).collect();
-        let mut host = vec![0u8; 3 * 32];
-        let t = Transfer {
-            key: ChunkKey::new(1, 0),
-            slot: SlotId(1),
-            first_block_in_chunk: 2,
-            gpu_blocks: vec![BlockId(4), BlockId(5)],
-        };
-        let mut engine = MemcpyEngine;
-        for rank in 0..3 {
-            let mut copies = Vec::new();
-            transfer_copies(&t, Shard::of(rank, 3, 8), g, &mut copies).unwrap();
-            engine.copy_blocks(CopyDirection::GpuToHost, &mut gpu, &mut host, &copies);
+    fn sharded_round_trip_moves_whole_blocks_with_either_engine() {
+        let copier = shared_copier().expect("copy threads start");
+        let engines: [Box<dyn CopyEngine>; 2] = [
+            Box::new(MemcpyEngine),
+            Box::new(HostPathEngine::new(copier)),
+        ];
+        for mut engine in engines {
+            let g = geo();
+            let mut gpu: Vec<u8> = (0..80).map(|i| i as u8).collect();
+            let mut host = vec![0u8; 3 * 32];
+            let t = Transfer {
+                key: ChunkKey::new(1, 0),
+                slot: SlotId(1),
+                first_block_in_chunk: 2,
+                gpu_blocks: vec![BlockId(4), BlockId(5)],
+            };
+            for rank in 0..3 {
+                let mut copies = Vec::new();
+                transfer_copies(&t, Shard::of(rank, 3, 8), g, &mut copies).unwrap();
+                engine
+                    .copy_blocks(CopyDirection::GpuToHost, &mut gpu, &mut host, &copies)
+                    .expect("in bounds");
+            }
+            assert_eq!(host[32 + 16..32 + 32], gpu[32..48]);
+            assert!(host[..32 + 16].iter().all(|&b| b == 0));
+            let mut back = vec![0u8; 80];
+            for rank in 0..3 {
+                let mut copies = Vec::new();
+                transfer_copies(&t, Shard::of(rank, 3, 8), g, &mut copies).unwrap();
+                engine
+                    .copy_blocks(CopyDirection::HostToGpu, &mut back, &mut host, &copies)
+                    .expect("in bounds");
+            }
+            assert_eq!(back[32..48], gpu[32..48]);
+            assert!(back[..32].iter().all(|&b| b == 0));
         }
-        assert_eq!(host[32 + 16..32 + 32], gpu[32..48]);
-        assert!(host[..32 + 16].iter().all(|&b| b == 0));
-        let mut back = vec![0u8; 80];
-        for rank in 0..3 {
-            let mut copies = Vec::new();
-            transfer_copies(&t, Shard::of(rank, 3, 8), g, &mut copies).unwrap();
-            engine.copy_blocks(CopyDirection::HostToGpu, &mut back, &mut host, &copies);
-        }
-        assert_eq!(back[32..48], gpu[32..48]);
-        assert!(back[..32].iter().all(|&b| b == 0));
     }
 
     #[test]

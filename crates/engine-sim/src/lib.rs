@@ -30,7 +30,7 @@ pub mod workload;
 pub use checked::{CheckedManager, ManagerCall};
 pub use config::{OutputOrder, SimConfig};
 pub use connector::{EngineConnector, KvScheduler, NullConnector};
-pub use host::{CopyDirection, CopyEngine, MemcpyEngine};
+pub use host::{CopyDirection, CopyEngine, HostPathEngine, MemcpyEngine};
 pub use report::{SimError, SimReport};
 pub use sim::{Phase, RequestView, Sim, StepSummary};
 pub use worker::{Worker, WorkerFaults};

@@ -238,14 +238,18 @@ impl Worker {
             JobKind::Store => CopyDirection::GpuToHost,
             JobKind::Load => CopyDirection::HostToGpu,
         };
-        let success = valid && !p.fail;
+        let mut success = valid && !p.fail;
         if success {
-            env.copier.copy_blocks(
-                direction,
-                env.gpu.bytes_mut(),
-                env.host.bytes_mut(),
-                &self.copies,
-            );
+            // A copy the engine could not make is a failed job, never a claimed success.
+            success = env
+                .copier
+                .copy_blocks(
+                    direction,
+                    env.gpu.bytes_mut(),
+                    env.host.bytes_mut(),
+                    &self.copies,
+                )
+                .is_ok();
         } else if valid && self.faults.scribble_on_failure {
             scribble(direction, env, &self.copies);
         }

@@ -153,10 +153,10 @@ impl CopyEngine for Corrupting {
         gpu: &mut [u8],
         host: &mut [u8],
         copies: &[engine_sim::host::BlockCopy],
-    ) {
-        MemcpyEngine.copy_blocks(d, gpu, host, copies);
+    ) -> Result<(), String> {
+        MemcpyEngine.copy_blocks(d, gpu, host, copies)?;
         if d != self.0 {
-            return;
+            return Ok(());
         }
         for c in copies {
             match d {
@@ -164,6 +164,7 @@ impl CopyEngine for Corrupting {
                 CopyDirection::HostToGpu => gpu[c.gpu_offset] ^= 1,
             }
         }
+        Ok(())
     }
 }
 

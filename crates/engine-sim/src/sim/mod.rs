@@ -29,7 +29,7 @@ use crate::checked::CheckedManager;
 use crate::config::SimConfig;
 use crate::connector::{EngineConnector, KvScheduler};
 use crate::gpu::{BlockPool, GpuMemory};
-use crate::host::{CopyEngine, CopyGeometry, HostMemory, MemcpyEngine};
+use crate::host::{default_copy_engine, CopyEngine, CopyGeometry, HostMemory};
 use crate::model::KvModel;
 use crate::report::{SimError, SimReport};
 use crate::rng::SplitMix64;
@@ -216,7 +216,7 @@ impl<C: EngineConnector> Sim<C> {
             gpu: GpuMemory::new(config.num_gpu_blocks, config.block_bytes),
             host: HostMemory::new(config.host_slots, config.slot_bytes()),
             workers,
-            copier: Box::new(MemcpyEngine),
+            copier: default_copy_engine(),
             step: 0,
             pending_output: None,
             abort_rng: SplitMix64::stream(config.seed, 0xAB07),
