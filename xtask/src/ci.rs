@@ -70,7 +70,7 @@ pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
     };
     let mut clippy = cargo_step(
         "clippy",
-        &["clippy", "--workspace", "--all-targets"],
+        &["clippy", "--workspace", "--all-targets", "--all-features"],
         &locked,
     );
     if let Action::Cargo { args, .. } = &mut clippy.action {
@@ -82,14 +82,22 @@ pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
         Ok(flags) if !flags.trim().is_empty() => format!("{flags} -D warnings"),
         _ => "-D warnings".to_string(),
     };
-    let mut doc = cargo_step("doc", &["doc", "--workspace", "--no-deps"], &locked);
+    let mut doc = cargo_step(
+        "doc",
+        &["doc", "--workspace", "--no-deps", "--all-features"],
+        &locked,
+    );
     if let Action::Cargo { env, .. } = &mut doc.action {
         env.push(("RUSTDOCFLAGS".to_string(), rustdocflags));
     }
     vec![
         cargo_step("fmt", &["fmt", "--all", "--", "--check"], &[]),
         clippy,
-        cargo_step("test", &["test", "--workspace"], &test_extra),
+        cargo_step(
+            "test",
+            &["test", "--workspace", "--all-features"],
+            &test_extra,
+        ),
         doc,
         Step {
             name: "layering",

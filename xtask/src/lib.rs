@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ci;
+pub mod gpu;
 pub mod layering;
 
 use std::ffi::OsString;

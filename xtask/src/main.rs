@@ -1,9 +1,9 @@
-//! `cargo xtask`: kvtier's developer tasks (`ci`, `layering`, `help`). A thin front end over the
-//! `xtask` library; add a task by adding a row to `TASKS`.
+//! `cargo xtask`: kvtier's developer tasks (`ci`, `layering`, `gpu`, `help`). A thin front end
+//! over the `xtask` library; add a task by adding a row to `TASKS`.
 
 use std::process::ExitCode;
 
-use xtask::{ci, layering, Error};
+use xtask::{ci, gpu, layering, Error};
 
 /// One subcommand: its name, usage line, one-line description and entry point. The entry point
 /// gets the arguments after the subcommand's name and returns whether the task passed.
@@ -28,6 +28,13 @@ const TASKS: &[Task] = &[
         about: "only the layering check (design.md section 3 dependency rules and \
                 offload-core source scan)",
         run: run_layering,
+    },
+    Task {
+        name: "gpu",
+        usage: "cargo xtask gpu",
+        about: "tier-gpu's CUDA checks: build, the CUDA test (--nocapture), the gpu_bandwidth \
+                example; 5-minute budget, each step timed and killed past its limit",
+        run: gpu::main,
     },
     Task {
         name: "help",
@@ -129,7 +136,7 @@ mod tests {
         let err = find_task("lint").err().expect("`lint` is not a task");
         let message = err.to_string();
         assert!(message.contains("unknown subcommand `lint`"), "{message}");
-        assert!(message.contains("ci, layering, help"), "{message}");
+        assert!(message.contains("ci, layering, gpu, help"), "{message}");
     }
 
     #[test]

@@ -388,6 +388,7 @@ pub struct HostTransferEngine {
     pool: Arc<HostPoolMemory>,
     copier: Arc<HostCopier>,
     queues: [VecDeque<InFlight>; 2],
+    /// Most jobs in flight per direction.
     jobs_in_flight_max: usize,
     runs: Vec<CopyRun>,
 }
@@ -406,11 +407,15 @@ impl HostTransferEngine {
         copier: Arc<HostCopier>,
         jobs_in_flight_max: usize,
     ) -> Result<Self, String> {
-        if layout.pool_bytes() != pool.len() as u64 {
+        if layout.slot_bytes() != pool.slot_bytes() as u64
+            || layout.slot_count() != pool.slot_count()
+        {
             return Err(format!(
-                "layout needs a host pool of {} bytes, the pool has {}",
-                layout.pool_bytes(),
-                pool.len()
+                "layout needs {} slots of {} bytes, the host pool has {} of {}",
+                layout.slot_count(),
+                layout.slot_bytes(),
+                pool.slot_count(),
+                pool.slot_bytes()
             ));
         }
         Ok(Self {
@@ -429,15 +434,12 @@ impl HostTransferEngine {
             JobKind::Load => 1,
         }
     }
-
-    fn in_flight(&self) -> usize {
-        self.queues.iter().map(VecDeque::len).sum()
-    }
 }
 
 impl TransferEngine for HostTransferEngine {
     fn submit(&mut self, job: &Job) -> Result<(), TransferError> {
-        let in_flight = self.in_flight();
+        // Bounded per direction, so a burst of stores never holds back a load.
+        let in_flight = self.queues[Self::queue_of(job.kind)].len();
         if in_flight >= self.jobs_in_flight_max {
             return Err(TransferError::Busy { in_flight });
         }

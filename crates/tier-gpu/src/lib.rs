@@ -10,6 +10,8 @@
 //! Both engines implement [`TransferEngine`]: jobs are submitted, complete exactly once, and are
 //! reported in submission order per direction.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 pub mod plan;
 

@@ -232,15 +232,39 @@ fn bad_jobs_and_full_queues_are_refused_without_effect() {
         .submit(&job(3, JobKind::Store, &[(0, 0, &[0, 1])]))
         .expect("submit");
     s.engine
-        .submit(&job(4, JobKind::Load, &[(1, 0, &[2, 3])]))
+        .submit(&job(4, JobKind::Store, &[(1, 0, &[2, 3])]))
         .expect("submit");
     let err = s
         .engine
         .submit(&job(5, JobKind::Store, &[(2, 0, &[4, 5])]))
         .unwrap_err();
     assert_eq!(err, TransferError::Busy { in_flight: 2 });
-    let done = poll_all(&mut s.engine, 2);
-    assert_eq!(done.iter().map(|d| d.job.0).collect::<Vec<_>>().len(), 2);
+    // The bound is per direction: a burst of stores does not hold back a load.
+    s.engine
+        .submit(&job(6, JobKind::Load, &[(3, 0, &[6, 7])]))
+        .expect("a load is accepted while stores are at their bound");
+    let done = poll_all(&mut s.engine, 3);
+    let ids: Vec<u64> = done.iter().map(|d| d.job.0).collect();
+    assert_eq!(ids, vec![3, 4, 6]);
+}
+
+#[test]
+fn a_pool_that_does_not_match_the_layout_is_refused() {
+    let region = Region {
+        base: 0x1000,
+        num_blocks: 8,
+        block_bytes: 64,
+        block_stride: 64,
+        group: 0,
+    };
+    let layout = KvLayout::new(vec![region], 2, 4).expect("layout");
+    // Same total bytes (4 x 128), different slot size: tiers would read the wrong bytes.
+    let pool = Arc::new(HostPoolMemory::new(256, 2).expect("pool"));
+    let copier = Arc::new(HostCopier::new(1).expect("threads"));
+    // SAFETY: construction is refused before any memory is touched.
+    let made = unsafe { HostTransferEngine::new(layout, pool, copier, 4) };
+    let err = made.err().expect("refused");
+    assert!(err.contains("slots of 128 bytes"), "{err}");
 }
 
 #[test]
