@@ -1,0 +1,232 @@
+//! [`FsTierConfig`]: where the disk tier keeps its files, how much it may use, which I/O engine it
+//! runs, and the namespace identity ([`NamespaceId`]) that keeps different models' chunks apart.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::FsError;
+use crate::fault::FaultPlan;
+
+/// The identity of the KV layout whose chunks a namespace holds. Chunks of different models,
+/// dtypes, chunk sizes or parallel layouts never share a namespace directory: its name is a hash
+/// of these fields, and a small config file inside records them (checked at start).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NamespaceId {
+    /// The model's name (for example `"meta-llama/Llama-3.1-8B"`).
+    pub model: String,
+    /// The KV cache's element type (for example `"bfloat16"`).
+    pub dtype: String,
+    /// Tokens per chunk (engine block size times blocks per chunk).
+    pub tokens_per_chunk: u32,
+    /// The parallel layout (for example `"tp4-rank0"`, or `"tp1"`).
+    pub parallel_layout: String,
+}
+
+/// Whether stores are made durable against power loss.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Durability {
+    /// No fsync (the default). A killed process never leaves a torn chunk (the rename publishes
+    /// only complete files, and the page cache survives the process), but after a power loss a
+    /// renamed file may hold missing or stale blocks; loads then fail its checksum, report the key
+    /// as failed and remove the file, so such a chunk costs a recompute, never wrong KV.
+    #[default]
+    None,
+    /// fsync the temporary file before the rename and the directory after it, so a stored chunk
+    /// survives power loss. Costs one or two disk flushes per chunk.
+    Fsync,
+}
+
+/// Which I/O engine the tier runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EngineChoice {
+    /// io_uring when the kernel allows it (probed at start), else the plain-syscall engine.
+    #[default]
+    Auto,
+    /// io_uring only; start fails when it is unavailable or forbidden.
+    Uring,
+    /// The plain `pread`/`pwrite` engine on a small thread pool.
+    Sync,
+}
+
+/// The disk tier's configuration. Build it with [`FsTierConfig::new`] and struct-update syntax.
+#[derive(Clone, Debug)]
+pub struct FsTierConfig {
+    /// The directory under which the namespace directory is created.
+    pub root_dir: PathBuf,
+    /// The KV layout identity; decides the namespace directory.
+    pub namespace: NamespaceId,
+    /// The most bytes of chunk files (headers and padding included) the tier keeps; older chunks
+    /// (by last access) are evicted to stay under it.
+    pub capacity_bytes: u64,
+    /// fsync around the rename of each stored chunk, or not (the default).
+    pub durability: Durability,
+    /// io_uring, the plain-syscall engine, or the first that works.
+    pub engine: EngineChoice,
+    /// Worker threads, each running whole jobs with its own I/O engine (so that one job's file
+    /// creations and renames overlap another's transfers).
+    pub workers: usize,
+    /// Threads of each worker's plain-syscall engine.
+    pub threads: usize,
+    /// Submission queue entries of the io_uring engine.
+    pub uring_entries: u32,
+    /// Use O_DIRECT where the file system takes it (probed at start). `false` forces buffered I/O.
+    pub direct_io: bool,
+    /// The most jobs accepted and not yet returned by `poll`; beyond it, submit answers `Busy`.
+    pub jobs_in_flight_max: usize,
+    /// Per worker: the most buffer bytes one submission to the I/O engine may hold (a job larger
+    /// than this is split into several submissions; a single larger chunk goes alone), and the
+    /// most bytes of buffers kept for reuse. The tier's buffers stay under
+    /// `2 * workers * batch_bytes_max` (plus one chunk per worker).
+    pub batch_bytes_max: usize,
+    /// Other tier instances write this directory too: a lookup of a key missing from the index
+    /// starts an asynchronous probe of its file (answering `Retry` until it completes or
+    /// `probe_deadline` passes), and the start-up sweep removes only temporary files older than
+    /// `stale_tmp_age` (they may belong to a live instance).
+    pub shared_dir: bool,
+    /// How long a lookup may answer `Retry` while its probe runs; also how long a negative probe
+    /// result is remembered.
+    pub probe_deadline: Duration,
+    /// The most probes queued or running at once (beyond it, a lookup of an unknown key misses).
+    pub probes_in_flight_max: usize,
+    /// In a shared directory, the age beyond which a temporary file is stale.
+    pub stale_tmp_age: Duration,
+    /// Warnings (engine detection, the switch to buffered I/O) are printed to stderr unless set.
+    pub quiet: bool,
+    /// Injected faults, for tests. Empty by default.
+    pub faults: FaultPlan,
+}
+
+impl FsTierConfig {
+    /// A configuration with defaults for everything but the directory, namespace and byte limit.
+    pub fn new(root_dir: impl Into<PathBuf>, namespace: NamespaceId, capacity_bytes: u64) -> Self {
+        Self {
+            root_dir: root_dir.into(),
+            namespace,
+            capacity_bytes,
+            durability: Durability::None,
+            engine: EngineChoice::Auto,
+            workers: 4,
+            threads: 2,
+            uring_entries: 256,
+            direct_io: true,
+            jobs_in_flight_max: 64,
+            batch_bytes_max: 32 << 20,
+            shared_dir: false,
+            probe_deadline: Duration::from_secs(1),
+            probes_in_flight_max: 256,
+            stale_tmp_age: Duration::from_secs(600),
+            quiet: false,
+            faults: FaultPlan::default(),
+        }
+    }
+
+    /// Checks every setting; the error names the first field that is wrong.
+    pub fn validate(&self) -> Result<(), FsError> {
+        let fail = |field: &'static str, reason: &str| {
+            Err(FsError::Config {
+                field,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.root_dir.as_os_str().is_empty() {
+            return fail("root_dir", "must not be empty");
+        }
+        if self.namespace.model.is_empty() {
+            return fail("namespace.model", "must not be empty");
+        }
+        if self.namespace.dtype.is_empty() {
+            return fail("namespace.dtype", "must not be empty");
+        }
+        if self.namespace.tokens_per_chunk == 0 {
+            return fail("namespace.tokens_per_chunk", "must be at least 1");
+        }
+        if self.namespace.parallel_layout.is_empty() {
+            return fail("namespace.parallel_layout", "must not be empty");
+        }
+        if self.capacity_bytes == 0 {
+            return fail("capacity_bytes", "must be at least 1");
+        }
+        if self.workers == 0 || self.workers > 64 {
+            return fail("workers", "must be between 1 and 64");
+        }
+        if self.threads == 0 || self.threads > crate::io::sync::THREADS_MAX {
+            return fail("threads", "must be between 1 and 64");
+        }
+        if self.uring_entries == 0 || self.uring_entries > 32768 {
+            return fail("uring_entries", "must be between 1 and 32768");
+        }
+        if self.jobs_in_flight_max == 0 || self.jobs_in_flight_max > 1 << 16 {
+            return fail("jobs_in_flight_max", "must be between 1 and 65536");
+        }
+        if self.batch_bytes_max < crate::format::HEADER_BYTES {
+            return fail("batch_bytes_max", "must be at least 4096");
+        }
+        if self.shared_dir && self.probe_deadline.is_zero() {
+            return fail("probe_deadline", "must be positive when shared_dir is set");
+        }
+        if self.shared_dir && self.probes_in_flight_max == 0 {
+            return fail(
+                "probes_in_flight_max",
+                "must be at least 1 when shared_dir is set",
+            );
+        }
+        if let Err(reason) = self.faults.check() {
+            return fail("faults", &reason);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn namespace() -> NamespaceId {
+        NamespaceId {
+            model: "m".into(),
+            dtype: "bf16".into(),
+            tokens_per_chunk: 256,
+            parallel_layout: "tp1".into(),
+        }
+    }
+
+    fn field_of(config: &FsTierConfig) -> &'static str {
+        match config.validate() {
+            Err(FsError::Config { field, .. }) => field,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let config = FsTierConfig::new("/tmp/x", namespace(), 1 << 30);
+        assert!(config.validate().is_ok());
+        assert_eq!(config.durability, Durability::None);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let base = FsTierConfig::new("/tmp/x", namespace(), 1 << 30);
+        let mut c = base.clone();
+        c.capacity_bytes = 0;
+        assert_eq!(field_of(&c), "capacity_bytes");
+        let mut c = base.clone();
+        c.namespace.model.clear();
+        assert_eq!(field_of(&c), "namespace.model");
+        let mut c = base.clone();
+        c.namespace.tokens_per_chunk = 0;
+        assert_eq!(field_of(&c), "namespace.tokens_per_chunk");
+        let mut c = base.clone();
+        c.threads = 0;
+        assert_eq!(field_of(&c), "threads");
+        let mut c = base.clone();
+        c.jobs_in_flight_max = 0;
+        assert_eq!(field_of(&c), "jobs_in_flight_max");
+        let mut c = base.clone();
+        c.root_dir = PathBuf::new();
+        assert_eq!(field_of(&c), "root_dir");
+        let mut c = base;
+        c.batch_bytes_max = 1;
+        assert_eq!(field_of(&c), "batch_bytes_max");
+    }
+}

@@ -1,0 +1,146 @@
+//! Opening chunk files with or without O_DIRECT, the start-up probe that decides whether a root
+//! directory takes O_DIRECT, and the one-line warnings the tier prints.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+
+use crate::error::FsError;
+use crate::format::ALIGN;
+use crate::io::AlignedBuf;
+use crate::layout::Layout;
+use crate::stats::{add, StatsCell};
+
+/// Permission bits of new chunk files.
+const FILE_MODE: u32 = 0o644;
+
+/// Prints a warning (unless `quiet`) and counts it.
+pub(crate) fn warn(stats: &StatsCell, quiet: bool, message: &str) {
+    add(&stats.warnings, 1);
+    if !quiet {
+        eprintln!("kvtier tier-fs: warning: {message}");
+    }
+}
+
+/// Whether `error` is EINVAL (what O_DIRECT refusal and misalignment look like).
+pub(crate) fn is_einval(error: &io::Error) -> bool {
+    error.raw_os_error() == Some(libc::EINVAL)
+}
+
+fn direct_flag(direct: bool) -> i32 {
+    if direct {
+        libc::O_DIRECT
+    } else {
+        0
+    }
+}
+
+/// Creates a new file for writing (O_EXCL), with O_DIRECT if `direct`.
+pub(crate) fn create_for_write(path: &Path, direct: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(FILE_MODE)
+        .custom_flags(direct_flag(direct))
+        .open(path)
+}
+
+/// Reopens a temporary file this process created, buffered, truncating it (after EINVAL).
+pub(crate) fn reopen_buffered_for_write(path: &Path) -> io::Result<File> {
+    OpenOptions::new().write(true).truncate(true).open(path)
+}
+
+/// Opens a chunk file for reading, with O_DIRECT if `direct`.
+pub(crate) fn open_for_read(path: &Path, direct: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(direct_flag(direct))
+        .open(path)
+}
+
+/// Whether the namespace directory takes O_DIRECT: creates a temporary file with O_DIRECT,
+/// writes and reads back one aligned block, and removes it. `Ok(Err(reason))` means O_DIRECT is
+/// refused there (EINVAL, or data that does not read back); `Err` means the directory is unusable.
+pub(crate) fn probe_direct(layout: &Layout) -> Result<Result<(), String>, FsError> {
+    let path = layout.temp_path_in_dir("direct-probe");
+    let result = probe_at(&path);
+    // The probe file is ours alone; a failure to remove it is swept at the next start.
+    let _ = fs::remove_file(&path);
+    result
+}
+
+fn probe_at(path: &Path) -> Result<Result<(), String>, FsError> {
+    let file = match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(FILE_MODE)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(file) => file,
+        Err(e) if is_einval(&e) => return Ok(Err(format!("open {path:?} with O_DIRECT: {e}"))),
+        Err(e) => return Err(FsError::io("create", path, 0, e)),
+    };
+    let mut out =
+        AlignedBuf::try_with_capacity(ALIGN).map_err(|e| FsError::io("alloc", path, 0, e))?;
+    for (i, byte) in out.as_full_mut_slice().iter_mut().enumerate() {
+        *byte = (i % 251) as u8;
+    }
+    out.set_len(ALIGN);
+    match file.write_at(out.as_slice(), 0) {
+        Ok(n) if n == ALIGN => {}
+        Ok(n) => {
+            return Ok(Err(format!(
+                "O_DIRECT write to {path:?} moved {n} of {ALIGN} bytes"
+            )))
+        }
+        Err(e) if is_einval(&e) => return Ok(Err(format!("O_DIRECT write to {path:?}: {e}"))),
+        Err(e) => return Err(FsError::io("write", path, 0, e)),
+    }
+    let mut back =
+        AlignedBuf::try_with_capacity(ALIGN).map_err(|e| FsError::io("alloc", path, 0, e))?;
+    back.set_len(ALIGN);
+    match file.read_at(back.as_mut_slice(), 0) {
+        Ok(n) if n == ALIGN => {}
+        Ok(n) => {
+            return Ok(Err(format!(
+                "O_DIRECT read of {path:?} returned {n} of {ALIGN} bytes"
+            )))
+        }
+        Err(e) if is_einval(&e) => return Ok(Err(format!("O_DIRECT read of {path:?}: {e}"))),
+        Err(e) => return Err(FsError::io("read", path, 0, e)),
+    }
+    if back.as_slice() != out.as_slice() {
+        return Ok(Err(format!(
+            "O_DIRECT read of {path:?} returned other bytes than written"
+        )));
+    }
+    Ok(Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::NamespaceId;
+
+    #[test]
+    fn probe_leaves_no_file_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = NamespaceId {
+            model: "m".into(),
+            dtype: "d".into(),
+            tokens_per_chunk: 1,
+            parallel_layout: "p".into(),
+        };
+        let layout = Layout::new(dir.path(), &ns);
+        fs::create_dir_all(layout.dir()).unwrap();
+        // ext4 and tmpfs both take O_DIRECT; either answer is fine, an error is not.
+        let answer = probe_direct(&layout).unwrap();
+        if let Err(reason) = answer {
+            eprintln!("O_DIRECT refused in {:?}: {reason}", dir.path());
+        }
+        assert_eq!(fs::read_dir(layout.dir()).unwrap().count(), 0);
+    }
+}

@@ -1,0 +1,293 @@
+//! The on-disk chunk format: a [`HEADER_BYTES`] header, then the payload padded with zeros to a
+//! multiple of [`ALIGN`], so that the whole file can be read and written with O_DIRECT.
+//!
+//! Header (little-endian): magic `KVTIERFS` (8 bytes), format version (u32), header length
+//! (u32), key hash (u64), key group (u32), reserved (u32, zero), payload length (u64), xxh3-64 of
+//! the payload (u64), xxh3-64 of the 48 bytes before it (u64); zeros up to [`HEADER_BYTES`].
+
+use offload_core::ChunkKey;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Alignment of the header, payload and file length (O_DIRECT).
+pub const ALIGN: usize = crate::io::buf::ALIGN;
+/// Bytes of the header; the payload starts here.
+pub const HEADER_BYTES: usize = ALIGN;
+/// The magic at the start of every chunk file.
+pub const MAGIC: [u8; 8] = *b"KVTIERFS";
+/// The format version written (and the only one read).
+pub const FORMAT_VERSION: u32 = 1;
+/// Bytes of the header that carry fields (the rest is zero).
+const FIELDS_BYTES: usize = 56;
+
+/// The bytes a chunk with `payload_len` bytes of payload occupies on disk.
+pub fn file_bytes(payload_len: u64) -> u64 {
+    HEADER_BYTES as u64 + payload_len.div_ceil(ALIGN as u64) * ALIGN as u64
+}
+
+/// The checksum of a payload (xxh3-64).
+pub fn payload_checksum(payload: &[u8]) -> u64 {
+    xxh3_64(payload)
+}
+
+/// Why a chunk file does not verify.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FormatError {
+    /// Fewer bytes than the header and payload need.
+    Truncated {
+        /// Bytes present.
+        have: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// The magic is wrong (not a chunk file).
+    BadMagic,
+    /// A format version this build does not read.
+    BadVersion(u32),
+    /// The header's own checksum does not match (a torn or corrupted header).
+    BadHeaderChecksum,
+    /// The header names another key.
+    WrongKey(ChunkKey),
+    /// The stored payload length differs from the one asked for (the file itself is valid).
+    LengthMismatch {
+        /// Stored length.
+        stored: u64,
+        /// Requested length.
+        expected: u64,
+    },
+    /// The payload's checksum does not match.
+    BadChecksum,
+}
+
+impl FormatError {
+    /// Whether the file is damaged (and should be removed), as opposed to valid but not what the
+    /// caller asked for.
+    pub fn is_corruption(&self) -> bool {
+        !matches!(self, FormatError::LengthMismatch { .. })
+    }
+}
+
+impl std::fmt::Display for FormatError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FormatError::Truncated { have, need } => {
+                write!(f, "truncated: {have} bytes, {need} needed")
+            }
+            FormatError::BadMagic => write!(f, "bad magic"),
+            FormatError::BadVersion(v) => write!(f, "unknown format version {v}"),
+            FormatError::BadHeaderChecksum => write!(f, "header checksum mismatch"),
+            FormatError::WrongKey(key) => {
+                write!(f, "header names key {:#x}/{}", key.hash, key.group)
+            }
+            FormatError::LengthMismatch { stored, expected } => {
+                write!(f, "payload length {stored} stored, {expected} requested")
+            }
+            FormatError::BadChecksum => write!(f, "payload checksum mismatch"),
+        }
+    }
+}
+
+/// A chunk file's header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// The chunk's key.
+    pub key: ChunkKey,
+    /// Payload bytes.
+    pub payload_len: u64,
+    /// xxh3-64 of the payload.
+    pub checksum: u64,
+}
+
+impl Header {
+    /// The header of `payload` stored under `key`.
+    pub fn for_payload(key: ChunkKey, payload: &[u8]) -> Self {
+        Self {
+            key,
+            payload_len: payload.len() as u64,
+            checksum: payload_checksum(payload),
+        }
+    }
+
+    /// Writes the header into the first [`HEADER_BYTES`] bytes of `out` (zeroing the rest of
+    /// them).
+    ///
+    /// Panics if `out` is shorter than [`HEADER_BYTES`] (a caller bug).
+    pub fn encode(&self, out: &mut [u8]) {
+        let out = &mut out[..HEADER_BYTES];
+        out.fill(0);
+        out[0..8].copy_from_slice(&MAGIC);
+        out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
+        out[16..24].copy_from_slice(&self.key.hash.to_le_bytes());
+        out[24..28].copy_from_slice(&self.key.group.to_le_bytes());
+        out[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[40..48].copy_from_slice(&self.checksum.to_le_bytes());
+        let own = xxh3_64(&out[0..48]);
+        out[48..56].copy_from_slice(&own.to_le_bytes());
+    }
+
+    /// Reads a header from the start of `bytes`, checking magic, version and its own checksum.
+    pub fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
+        if bytes.len() < HEADER_BYTES {
+            return Err(FormatError::Truncated {
+                have: bytes.len(),
+                need: HEADER_BYTES,
+            });
+        }
+        let fields = &bytes[..FIELDS_BYTES];
+        if fields[0..8] != MAGIC {
+            return Err(FormatError::BadMagic);
+        }
+        let version = u32_at(fields, 8);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::BadVersion(version));
+        }
+        if u64_at(fields, 48) != xxh3_64(&fields[0..48]) {
+            return Err(FormatError::BadHeaderChecksum);
+        }
+        if u32_at(fields, 12) as usize != HEADER_BYTES {
+            return Err(FormatError::BadMagic);
+        }
+        Ok(Self {
+            key: ChunkKey::new(u64_at(fields, 16), u32_at(fields, 24)),
+            payload_len: u64_at(fields, 32),
+            checksum: u64_at(fields, 40),
+        })
+    }
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    let mut raw = [0u8; 4];
+    raw.copy_from_slice(&bytes[at..at + 4]);
+    u32::from_le_bytes(raw)
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    let mut raw = [0u8; 8];
+    raw.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_le_bytes(raw)
+}
+
+/// Writes the file image of `key`'s chunk into `out`: the header, then the payload copied by
+/// `fill_payload` (which must fill exactly the slice it gets), then zero padding. Returns the file
+/// length (the bytes to write) and the header.
+///
+/// Panics if `out` is shorter than [`file_bytes`]`(payload_len)` (a caller bug).
+pub fn encode_into(
+    out: &mut [u8],
+    key: ChunkKey,
+    payload_len: usize,
+    fill_payload: impl FnOnce(&mut [u8]),
+) -> (usize, Header) {
+    let total = file_bytes(payload_len as u64) as usize;
+    let payload_end = HEADER_BYTES + payload_len;
+    fill_payload(&mut out[HEADER_BYTES..payload_end]);
+    out[payload_end..total].fill(0);
+    let header = Header::for_payload(key, &out[HEADER_BYTES..payload_end]);
+    header.encode(out);
+    (total, header)
+}
+
+/// Verifies a whole file image read back for `key` with `expected_len` payload bytes and returns
+/// the payload.
+pub fn verify(file: &[u8], key: ChunkKey, expected_len: u64) -> Result<&[u8], FormatError> {
+    let header = Header::decode(file)?;
+    if header.key != key {
+        return Err(FormatError::WrongKey(header.key));
+    }
+    let need = file_bytes(header.payload_len);
+    if (file.len() as u64) < need {
+        return Err(FormatError::Truncated {
+            have: file.len(),
+            need: usize::try_from(need).unwrap_or(usize::MAX),
+        });
+    }
+    let payload = &file[HEADER_BYTES..HEADER_BYTES + header.payload_len as usize];
+    if payload_checksum(payload) != header.checksum {
+        return Err(FormatError::BadChecksum);
+    }
+    if header.payload_len != expected_len {
+        return Err(FormatError::LengthMismatch {
+            stored: header.payload_len,
+            expected: expected_len,
+        });
+    }
+    Ok(payload)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(key: ChunkKey, payload: &[u8]) -> Vec<u8> {
+        let mut out = vec![0xEEu8; file_bytes(payload.len() as u64) as usize];
+        let (len, header) = encode_into(&mut out, key, payload.len(), |dst| {
+            dst.copy_from_slice(payload)
+        });
+        assert_eq!(len, out.len());
+        assert_eq!(header.payload_len, payload.len() as u64);
+        out
+    }
+
+    #[test]
+    fn file_bytes_pads_to_alignment() {
+        assert_eq!(file_bytes(0), 4096);
+        assert_eq!(file_bytes(1), 8192);
+        assert_eq!(file_bytes(4096), 8192);
+        assert_eq!(file_bytes(4097), 12288);
+    }
+
+    #[test]
+    fn round_trip_verifies_and_pads_with_zeros() {
+        let key = ChunkKey::new(0xABCD, 3);
+        let payload: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
+        let file = image(key, &payload);
+        assert_eq!(verify(&file, key, 5000), Ok(&payload[..]));
+        assert!(file[HEADER_BYTES + 5000..].iter().all(|&b| b == 0));
+        assert_eq!(Header::decode(&file).map(|h| h.key), Ok(key));
+    }
+
+    #[test]
+    fn every_damage_is_detected() {
+        let key = ChunkKey::new(7, 0);
+        let payload = vec![5u8; 10_000];
+        let file = image(key, &payload);
+        let mut flipped = file.clone();
+        flipped[HEADER_BYTES + 1234] ^= 1;
+        assert_eq!(verify(&flipped, key, 10_000), Err(FormatError::BadChecksum));
+        let mut header = file.clone();
+        header[33] ^= 1;
+        assert_eq!(
+            verify(&header, key, 10_000),
+            Err(FormatError::BadHeaderChecksum)
+        );
+        let mut magic = file.clone();
+        magic[0] = b'X';
+        assert_eq!(verify(&magic, key, 10_000), Err(FormatError::BadMagic));
+        assert!(matches!(
+            verify(&file[..8192], key, 10_000),
+            Err(FormatError::Truncated { .. })
+        ));
+        assert!(matches!(
+            verify(&file[..100], key, 10_000),
+            Err(FormatError::Truncated { .. })
+        ));
+        assert_eq!(
+            verify(&file, ChunkKey::new(7, 1), 10_000),
+            Err(FormatError::WrongKey(key))
+        );
+        let mismatch = verify(&file, key, 9_999);
+        assert!(matches!(mismatch, Err(FormatError::LengthMismatch { .. })));
+        assert!(!mismatch.unwrap_err().is_corruption());
+        assert!(FormatError::BadChecksum.is_corruption());
+        let zeros = vec![0u8; file.len()];
+        assert_eq!(verify(&zeros, key, 10_000), Err(FormatError::BadMagic));
+    }
+
+    #[test]
+    fn empty_payload_is_a_header_only_file() {
+        let key = ChunkKey::new(1, 1);
+        let file = image(key, &[]);
+        assert_eq!(file.len(), HEADER_BYTES);
+        assert_eq!(verify(&file, key, 0), Ok(&[][..]));
+    }
+}

@@ -1,0 +1,279 @@
+//! Where files live: `<root>/<namespace hash>/<2 hex chars>/<key hash>-<group>.kv`, temporary
+//! files beside their final name, and the namespace config file (`namespace.json`) that records
+//! the layout identity and is checked at start.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use offload_core::ChunkKey;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::config::NamespaceId;
+use crate::error::FsError;
+use crate::format::FORMAT_VERSION;
+
+/// The namespace config file's name, inside the namespace directory.
+pub const NAMESPACE_FILE: &str = "namespace.json";
+/// The suffix of every temporary file.
+pub const TMP_SUFFIX: &str = ".tmp";
+/// The suffix of every chunk file.
+pub const CHUNK_SUFFIX: &str = ".kv";
+
+/// Process-wide counter that makes temporary names unique (with the process id).
+static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// The hash that names a namespace directory (stable across builds and machines).
+pub fn namespace_hash(ns: &NamespaceId) -> u64 {
+    let text = format!(
+        "kvtier-fs/v{FORMAT_VERSION}\0{}\0{}\0{}\0{}",
+        ns.model, ns.dtype, ns.tokens_per_chunk, ns.parallel_layout
+    );
+    xxh3_64(text.as_bytes())
+}
+
+/// The paths of one namespace.
+#[derive(Clone, Debug)]
+pub struct Layout {
+    dir: PathBuf,
+}
+
+impl Layout {
+    /// The layout of namespace `ns` under `root`.
+    pub fn new(root: &Path, ns: &NamespaceId) -> Self {
+        Self {
+            dir: root.join(format!("{:016x}", namespace_hash(ns))),
+        }
+    }
+
+    /// The namespace directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The fan-out directory of the chunk: the first two hex digits of its hash.
+    pub fn fanout_dir(&self, key: ChunkKey) -> PathBuf {
+        self.dir.join(format!("{:02x}", key.hash >> 56))
+    }
+
+    /// Every fan-out directory (256 of them).
+    pub fn fanout_dirs(&self) -> impl Iterator<Item = PathBuf> + '_ {
+        (0..=255u8).map(|b| self.dir.join(format!("{b:02x}")))
+    }
+
+    /// The chunk file's final path.
+    pub fn chunk_path(&self, key: ChunkKey) -> PathBuf {
+        self.fanout_dir(key).join(chunk_file_name(key))
+    }
+
+    /// A fresh temporary path for the chunk, in its fan-out directory, unique in this process
+    /// and across processes (pid and counter).
+    pub fn temp_path(&self, key: ChunkKey) -> PathBuf {
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        self.fanout_dir(key).join(format!(
+            "{}.{}-{n}{TMP_SUFFIX}",
+            chunk_file_name(key),
+            std::process::id()
+        ))
+    }
+
+    /// A fresh temporary path in the namespace directory itself (probes, the namespace file).
+    pub fn temp_path_in_dir(&self, stem: &str) -> PathBuf {
+        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        self.dir
+            .join(format!("{stem}.{}-{n}{TMP_SUFFIX}", std::process::id()))
+    }
+
+    /// The namespace config file.
+    pub fn namespace_file(&self) -> PathBuf {
+        self.dir.join(NAMESPACE_FILE)
+    }
+}
+
+/// `<hash as 16 hex digits>-<group>.kv`.
+pub fn chunk_file_name(key: ChunkKey) -> String {
+    format!("{:016x}-{}{CHUNK_SUFFIX}", key.hash, key.group)
+}
+
+/// The key a chunk file name encodes, or `None` for any other name.
+pub fn parse_chunk_file_name(name: &str) -> Option<ChunkKey> {
+    let stem = name.strip_suffix(CHUNK_SUFFIX)?;
+    let (hash, group) = stem.split_once('-')?;
+    if hash.len() != 16 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    if group.is_empty() || !group.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let key = ChunkKey::new(
+        u64::from_str_radix(hash, 16).ok()?,
+        group.parse::<u32>().ok()?,
+    );
+    // Only the canonical spelling (lower-case hex, no leading zeros in the group) is ours.
+    (chunk_file_name(key) == name).then_some(key)
+}
+
+/// Whether `name` is a temporary file's name.
+pub fn is_temp_name(name: &str) -> bool {
+    name.ends_with(TMP_SUFFIX)
+}
+
+/// The namespace file's text for `ns`.
+fn namespace_text(ns: &NamespaceId) -> String {
+    let fields = serde_json::json!({
+        "format_version": FORMAT_VERSION,
+        "model": ns.model,
+        "dtype": ns.dtype,
+        "tokens_per_chunk": ns.tokens_per_chunk,
+        "parallel_layout": ns.parallel_layout,
+    });
+    format!("{fields:#}\n")
+}
+
+/// Writes the namespace file if it is missing, or checks it against `ns` if present. A mismatch
+/// (or an unreadable file) is an error naming the field.
+pub fn write_or_check_namespace_file(layout: &Layout, ns: &NamespaceId) -> Result<(), FsError> {
+    let path = layout.namespace_file();
+    match fs::read_to_string(&path) {
+        Ok(text) => check_namespace_text(&path, &text, ns),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            write_namespace_file(layout, ns)
+        }
+        Err(error) => Err(FsError::io("read", &path, 0, error)),
+    }
+}
+
+fn write_namespace_file(layout: &Layout, ns: &NamespaceId) -> Result<(), FsError> {
+    let path = layout.namespace_file();
+    let temp = layout.temp_path_in_dir(NAMESPACE_FILE);
+    let result = (|| {
+        let mut file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)
+            .map_err(|e| FsError::io("create", &temp, 0, e))?;
+        file.write_all(namespace_text(ns).as_bytes())
+            .map_err(|e| FsError::io("write", &temp, 0, e))?;
+        file.sync_all()
+            .map_err(|e| FsError::io("fsync", &temp, 0, e))?;
+        fs::rename(&temp, &path).map_err(|e| FsError::io("rename", &path, 0, e))
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&temp);
+    }
+    result
+}
+
+fn check_namespace_text(path: &Path, text: &str, ns: &NamespaceId) -> Result<(), FsError> {
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| FsError::Corrupt {
+        path: path.to_owned(),
+        offset: 0,
+        reason: format!("namespace file is not JSON: {e}"),
+    })?;
+    let expected = [
+        ("format_version", serde_json::json!(FORMAT_VERSION)),
+        ("model", serde_json::json!(ns.model)),
+        ("dtype", serde_json::json!(ns.dtype)),
+        ("tokens_per_chunk", serde_json::json!(ns.tokens_per_chunk)),
+        ("parallel_layout", serde_json::json!(ns.parallel_layout)),
+    ];
+    for (field, want) in expected {
+        let found = value.get(field).cloned().unwrap_or(serde_json::Value::Null);
+        if found != want {
+            return Err(FsError::NamespaceMismatch {
+                path: path.to_owned(),
+                field,
+                expected: want.to_string(),
+                found: found.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns() -> NamespaceId {
+        NamespaceId {
+            model: "llama".into(),
+            dtype: "bf16".into(),
+            tokens_per_chunk: 256,
+            parallel_layout: "tp1".into(),
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_reject_strangers() {
+        let key = ChunkKey::new(0xAB00_0000_0000_0012, 3);
+        let name = chunk_file_name(key);
+        assert_eq!(name, "ab00000000000012-3.kv");
+        assert_eq!(parse_chunk_file_name(&name), Some(key));
+        for bad in [
+            "ab00000000000012-3.kv.tmp",
+            "AB00000000000012-3.kv",
+            "ab0000000000012-3.kv",
+            "ab00000000000012-03.kv",
+            "ab00000000000012-.kv",
+            "ab00000000000012.kv",
+            "namespace.json",
+            "ab00000000000012-99999999999.kv",
+        ] {
+            assert_eq!(parse_chunk_file_name(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn paths_fan_out_by_hash_prefix_and_temps_are_unique() {
+        let layout = Layout::new(Path::new("/r"), &ns());
+        let key = ChunkKey::new(0xAB00_0000_0000_0012, 3);
+        let path = layout.chunk_path(key);
+        assert!(path.starts_with(layout.dir().join("ab")));
+        let a = layout.temp_path(key);
+        let b = layout.temp_path(key);
+        assert_ne!(a, b);
+        assert_eq!(a.parent(), path.parent());
+        assert!(is_temp_name(&a.file_name().unwrap().to_string_lossy()));
+        assert_eq!(layout.fanout_dirs().count(), 256);
+    }
+
+    #[test]
+    fn namespace_hash_depends_on_every_field() {
+        let base = namespace_hash(&ns());
+        let mut other = ns();
+        other.model.push('x');
+        assert_ne!(namespace_hash(&other), base);
+        let mut other = ns();
+        other.tokens_per_chunk += 1;
+        assert_ne!(namespace_hash(&other), base);
+        let mut other = ns();
+        other.parallel_layout = "tp2".into();
+        assert_ne!(namespace_hash(&other), base);
+        assert_eq!(namespace_hash(&ns()), base);
+    }
+
+    #[test]
+    fn namespace_file_is_written_then_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), &ns());
+        fs::create_dir_all(layout.dir()).unwrap();
+        write_or_check_namespace_file(&layout, &ns()).unwrap();
+        write_or_check_namespace_file(&layout, &ns()).unwrap();
+        let mut other = ns();
+        other.dtype = "fp8".into();
+        match write_or_check_namespace_file(&layout, &other) {
+            Err(FsError::NamespaceMismatch { field, .. }) => assert_eq!(field, "dtype"),
+            result => panic!("expected a mismatch naming dtype, got {result:?}"),
+        }
+        fs::write(layout.namespace_file(), "not json").unwrap();
+        assert!(write_or_check_namespace_file(&layout, &ns()).is_err());
+        let leftovers: Vec<_> = fs::read_dir(layout.dir())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| is_temp_name(&e.file_name().to_string_lossy()))
+            .collect();
+        assert!(leftovers.is_empty());
+    }
+}

@@ -1,0 +1,439 @@
+//! [`FsTier`]: the disk tier's `Tier` implementation. The front end (this type) lives on the
+//! caller's thread and never waits for I/O: lookups answer from the in-memory index, submits go
+//! to the workers through a bounded channel, polls drain the completion channel. Each worker
+//! thread owns one I/O engine (see the `worker` module).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, RecvError, Sender, TryRecvError, TrySendError};
+use offload_core::tier::{SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup};
+use offload_core::{ChunkKey, JobId, Medium, RequestId};
+
+use crate::config::{EngineChoice, FsTierConfig};
+use crate::direct::{probe_direct, warn};
+use crate::error::FsError;
+use crate::io::sync::SyncEngine;
+use crate::io::uring::UringEngine;
+use crate::io::IoEngine;
+use crate::layout::{write_or_check_namespace_file, Layout};
+use crate::probe::Prober;
+use crate::scan::{scan, SweepPolicy};
+use crate::stats::{add, FailureKind, FsStats, StatsCell};
+use crate::worker::{Msg, Shared, Worker, WorkerSettings};
+
+/// The disk tier. Start it with [`FsTier::start`]; it implements [`Tier`].
+///
+/// Dropping it shuts it down (cancels, drains, joins the worker).
+pub struct FsTier {
+    shared: Arc<Shared>,
+    engine_name: &'static str,
+    namespace_dir: PathBuf,
+    slot_count: u32,
+    slot_bytes: usize,
+    jobs_in_flight_max: usize,
+    jobs: Option<Sender<Msg>>,
+    done: Receiver<TierCompletion>,
+    /// Completions received (by `drain`) and not yet returned by `poll`.
+    ready: VecDeque<TierCompletion>,
+    /// Accepted jobs whose completion was not returned by `poll` yet, with their keys.
+    in_flight: HashMap<JobId, Vec<ChunkKey>>,
+    /// Jobs whose cancellation this front end requested.
+    cancel_requested: HashSet<JobId>,
+    workers: Vec<JoinHandle<()>>,
+    prober: Option<Prober>,
+    shut_down: bool,
+}
+
+impl std::fmt::Debug for FsTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsTier")
+            .field("namespace_dir", &self.namespace_dir)
+            .field("engine", &self.engine_name)
+            .field("jobs_in_flight", &self.in_flight.len())
+            .field("shut_down", &self.shut_down)
+            .finish()
+    }
+}
+
+/// Creates one I/O engine per worker; `Auto` probes io_uring once, and a fallback from it is
+/// warned about.
+fn create_engines(
+    config: &FsTierConfig,
+    stats: &StatsCell,
+) -> Result<Vec<Box<dyn IoEngine>>, FsError> {
+    let sync = || -> Result<Box<dyn IoEngine>, FsError> {
+        SyncEngine::new(config.threads)
+            .map(|e| Box::new(e) as Box<dyn IoEngine>)
+            .map_err(|e| FsError::Worker(format!("starting the sync engine: {e}")))
+    };
+    let uring = || -> Result<Box<dyn IoEngine>, String> {
+        UringEngine::new(config.uring_entries)
+            .map(|e| Box::new(e) as Box<dyn IoEngine>)
+            .map_err(|e| format!("io_uring_setup: {e}"))
+    };
+    let use_uring = match config.engine {
+        EngineChoice::Sync => false,
+        EngineChoice::Uring => {
+            UringEngine::probe().map_err(FsError::Unsupported)?;
+            true
+        }
+        EngineChoice::Auto => match UringEngine::probe() {
+            Ok(()) => true,
+            Err(reason) => {
+                warn(
+                    stats,
+                    config.quiet,
+                    &format!("io_uring unavailable ({reason}); using the sync engine"),
+                );
+                false
+            }
+        },
+    };
+    (0..config.workers)
+        .map(|_| {
+            if use_uring {
+                uring().map_err(FsError::Unsupported)
+            } else {
+                sync()
+            }
+        })
+        .collect()
+}
+
+/// Creates the namespace directory, its config file and its fan-out directories.
+fn prepare_dirs(layout: &Layout, config: &FsTierConfig) -> Result<(), FsError> {
+    fs::create_dir_all(layout.dir()).map_err(|e| FsError::io("mkdir", layout.dir(), 0, e))?;
+    write_or_check_namespace_file(layout, &config.namespace)?;
+    for dir in layout.fanout_dirs() {
+        match fs::create_dir(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(FsError::io("mkdir", &dir, 0, e)),
+        }
+    }
+    Ok(())
+}
+
+impl FsTier {
+    /// Starts the tier over `memory` (the host pool): checks the configuration and the namespace,
+    /// probes O_DIRECT and io_uring, scans the namespace to rebuild the index (sweeping stale
+    /// temporary files), and starts the worker. Blocks for the scan.
+    pub fn start(config: FsTierConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, FsError> {
+        config.validate()?;
+        let layout = Layout::new(&config.root_dir, &config.namespace);
+        prepare_dirs(&layout, &config)?;
+        let shared = Arc::new(Shared::new(config.capacity_bytes, &config.faults));
+        let direct = config.direct_io && detect_direct(&layout, &config, &shared.stats)?;
+        shared.stats.direct_io.store(direct, Ordering::Relaxed);
+        let policy = SweepPolicy {
+            shared: config.shared_dir,
+            stale_tmp_age: config.stale_tmp_age,
+        };
+        scan(&layout, policy, &mut shared.index(), &shared.stats)?;
+        let engines = create_engines(&config, &shared.stats)?;
+        let engine_name = engines.first().map_or("none", |e| e.name());
+        // Room for every job in flight plus one Stop per worker, so sends never block.
+        let (jobs, jobs_rx) =
+            crossbeam_channel::bounded(config.jobs_in_flight_max + config.workers);
+        let (done_tx, done) = crossbeam_channel::bounded(config.jobs_in_flight_max);
+        let mut workers = Vec::with_capacity(engines.len());
+        for (n, engine) in engines.into_iter().enumerate() {
+            let settings = WorkerSettings {
+                layout: layout.clone(),
+                durability: config.durability,
+                quiet: config.quiet,
+                batch_bytes_max: config.batch_bytes_max,
+            };
+            let worker = Worker::new(engine, Arc::clone(&memory), Arc::clone(&shared), settings);
+            let (jobs_rx, done_tx) = (jobs_rx.clone(), done_tx.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("kvtier-fs-{n}"))
+                .spawn(move || worker.run(jobs_rx, done_tx));
+            match spawned {
+                Ok(handle) => workers.push(handle),
+                Err(e) => {
+                    for _ in &workers {
+                        let _ = jobs.send(Msg::Stop);
+                    }
+                    for handle in workers {
+                        let _ = handle.join();
+                    }
+                    return Err(FsError::Worker(format!("spawning a worker: {e}")));
+                }
+            }
+        }
+        let prober = if config.shared_dir {
+            Some(Prober::start(
+                layout.clone(),
+                Arc::clone(&shared),
+                config.probe_deadline,
+                config.probes_in_flight_max,
+            )?)
+        } else {
+            None
+        };
+        Ok(Self {
+            shared,
+            engine_name,
+            namespace_dir: layout.dir().to_owned(),
+            slot_count: memory.slot_count(),
+            slot_bytes: memory.slot_bytes(),
+            jobs_in_flight_max: config.jobs_in_flight_max,
+            jobs: Some(jobs),
+            done,
+            ready: VecDeque::new(),
+            in_flight: HashMap::new(),
+            cancel_requested: HashSet::new(),
+            workers,
+            prober,
+            shut_down: false,
+        })
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> FsStats {
+        self.shared.stats.snapshot(self.engine_name)
+    }
+
+    /// The namespace directory (`<root>/<namespace hash>`).
+    pub fn namespace_dir(&self) -> &Path {
+        &self.namespace_dir
+    }
+
+    /// The I/O engine's name (`"io_uring"` or `"sync"`).
+    pub fn engine_name(&self) -> &'static str {
+        self.engine_name
+    }
+
+    /// Chunks indexed.
+    pub fn chunk_count(&self) -> usize {
+        self.shared.index().len()
+    }
+
+    /// Bytes of the indexed chunk files.
+    pub fn used_bytes(&self) -> u64 {
+        self.shared.index().used_bytes()
+    }
+
+    /// The indexed keys, least recently accessed first.
+    pub fn keys(&self) -> Vec<ChunkKey> {
+        self.shared.index().keys_by_age()
+    }
+
+    /// Checks a job against the host pool and the jobs in flight.
+    fn check(&self, job: &TierJob) -> Result<(), SubmitError> {
+        if self.in_flight.contains_key(&job.id) {
+            return Err(SubmitError::Invalid(format!(
+                "job id {} is already in flight",
+                job.id.0
+            )));
+        }
+        for (key, slot, len) in &job.chunks {
+            if slot.0 >= self.slot_count {
+                return Err(SubmitError::Invalid(format!(
+                    "chunk {:#x}/{}: slot {} out of range (slot_count {})",
+                    key.hash, key.group, slot.0, self.slot_count
+                )));
+            }
+            if *len as usize > self.slot_bytes {
+                return Err(SubmitError::Invalid(format!(
+                    "chunk {:#x}/{}: length {len} over the slot size {}",
+                    key.hash, key.group, self.slot_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a completion taken from the worker.
+    fn received(&mut self, completion: TierCompletion) -> TierCompletion {
+        self.in_flight.remove(&completion.id);
+        self.cancel_requested.remove(&completion.id);
+        completion
+    }
+
+    /// The worker is gone: completes every job still waiting for it with all keys failed (the
+    /// worker no longer touches any slot).
+    fn fail_orphans(&mut self) {
+        let ready: HashSet<JobId> = self.ready.iter().map(|c| c.id).collect();
+        let mut orphans: Vec<(JobId, Vec<ChunkKey>)> = self
+            .in_flight
+            .iter()
+            .filter(|(id, _)| !ready.contains(id))
+            .map(|(id, keys)| (*id, keys.clone()))
+            .collect();
+        orphans.sort_by_key(|(id, _)| *id);
+        for (id, keys) in orphans {
+            let mut failed = Vec::new();
+            for key in keys {
+                if !failed.contains(&key) {
+                    self.shared.stats.fail(FailureKind::Unavailable);
+                    failed.push(key);
+                }
+            }
+            self.ready.push_back(TierCompletion { id, failed });
+        }
+    }
+
+    /// Jobs accepted whose completion has not been received yet.
+    fn awaiting(&self) -> usize {
+        self.in_flight.len() - self.ready.len()
+    }
+
+    fn stop_worker(&mut self) {
+        if let Some(jobs) = self.jobs.take() {
+            for _ in &self.workers {
+                let _ = jobs.send(Msg::Stop);
+            }
+        }
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+        if let Some(mut prober) = self.prober.take() {
+            prober.stop();
+        }
+    }
+}
+
+/// Runs the O_DIRECT probe; a refusal is warned about once and counted as the root's fallback.
+fn detect_direct(
+    layout: &Layout,
+    config: &FsTierConfig,
+    stats: &StatsCell,
+) -> Result<bool, FsError> {
+    match probe_direct(layout)? {
+        Ok(()) => Ok(true),
+        Err(reason) => {
+            add(&stats.direct_fallbacks, 1);
+            warn(
+                stats,
+                config.quiet,
+                &format!(
+                    "O_DIRECT refused ({reason}); {:?} uses buffered I/O",
+                    layout.dir()
+                ),
+            );
+            Ok(false)
+        }
+    }
+}
+
+impl Tier for FsTier {
+    fn name(&self) -> &str {
+        "fs"
+    }
+
+    fn medium(&self) -> Medium {
+        Medium::Disk
+    }
+
+    fn lookup(&mut self, key: ChunkKey) -> TierLookup {
+        if self.shared.index().contains(key) {
+            return TierLookup::Hit;
+        }
+        match &mut self.prober {
+            Some(prober) => prober.lookup(key, &self.shared),
+            None => TierLookup::Miss,
+        }
+    }
+
+    fn touch(&mut self, keys: &[ChunkKey]) {
+        self.shared.index().touch_prefix(keys);
+    }
+
+    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
+        if self.shut_down {
+            return Err(SubmitError::ShutDown);
+        }
+        self.check(&job)?;
+        if self.in_flight.len() >= self.jobs_in_flight_max {
+            return Err(SubmitError::Busy {
+                in_flight: self.in_flight.len(),
+            });
+        }
+        let Some(jobs) = &self.jobs else {
+            return Err(SubmitError::ShutDown);
+        };
+        let id = job.id;
+        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+        match jobs.try_send(Msg::Job(job)) {
+            Ok(()) => {
+                self.in_flight.insert(id, keys);
+                Ok(())
+            }
+            Err(TrySendError::Full(_)) => Err(SubmitError::Busy {
+                in_flight: self.in_flight.len(),
+            }),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShutDown),
+        }
+    }
+
+    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
+        loop {
+            match self.done.try_recv() {
+                Ok(completion) => self.ready.push_back(completion),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.fail_orphans();
+                    break;
+                }
+            }
+        }
+        while let Some(completion) = self.ready.pop_front() {
+            let completion = self.received(completion);
+            out.push(completion);
+        }
+    }
+
+    fn cancel(&mut self, id: JobId) {
+        if !self.in_flight.contains_key(&id) || !self.cancel_requested.insert(id) {
+            return;
+        }
+        self.shared.cancelled().insert(id);
+    }
+
+    fn drain(&mut self) {
+        while self.awaiting() > 0 {
+            match self.done.recv() {
+                Ok(completion) => self.ready.push_back(completion),
+                Err(RecvError) => {
+                    self.fail_orphans();
+                    break;
+                }
+            }
+        }
+    }
+
+    fn on_request_finished(&mut self, _request: RequestId) {
+        // Chunks are content-addressed and shared between requests: nothing is per request.
+    }
+
+    fn shutdown(&mut self) {
+        if !self.shut_down {
+            self.shut_down = true;
+            let ready: HashSet<JobId> = self.ready.iter().map(|c| c.id).collect();
+            let ids: Vec<JobId> = self
+                .in_flight
+                .keys()
+                .filter(|id| !ready.contains(id))
+                .copied()
+                .collect();
+            for id in ids {
+                self.cancel(id);
+            }
+        }
+        self.drain();
+        self.stop_worker();
+    }
+}
+
+impl Drop for FsTier {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

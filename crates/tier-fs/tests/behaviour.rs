@@ -1,0 +1,450 @@
+//! Behaviour of the disk tier, each test body run against both I/O engines: round trips (full
+//! and partial chunks), warm restarts, the start-up sweep, capacity eviction, and one test per
+//! injected fault (EINVAL, ENOSPC, EIO, short write, short read, corruption).
+
+mod common;
+
+use std::fs;
+
+use common::*;
+use offload_core::tier::{Tier, TierLookup};
+use tier_fs::{
+    EngineChoice, FailureKind, Fault, FaultPlan, FaultRule, FaultSite, FsError, FsTier,
+    FsTierConfig,
+};
+
+const FULL: u32 = SLOT_BYTES as u32;
+
+/// Four chunks: a full slot, a slot less one byte, one byte, and an unaligned middle length.
+fn four_chunks() -> Vec<(offload_core::ChunkKey, u32, u32, u64)> {
+    vec![
+        (key(1), 0, FULL, 101),
+        (key(2), 1, FULL - 1, 102),
+        (key(3), 2, 1, 103),
+        (key(4), 3, 5000, 104),
+    ]
+}
+
+/// Loads the chunks into slots 8.. and checks their bytes.
+fn load_and_check(rig: &mut Rig, chunks: &[(offload_core::ChunkKey, u32, u32, u64)]) {
+    let loads: Vec<_> = chunks
+        .iter()
+        .map(|&(k, slot, len, _)| (k, slot + 8, len))
+        .collect();
+    let done = rig.load(&loads);
+    assert!(done.is_success(), "load failed keys {:?}", done.failed);
+    for &(_, slot, len, seed) in chunks {
+        assert!(
+            rig.slot_is(slot + 8, len, seed),
+            "slot {} differs",
+            slot + 8
+        );
+    }
+}
+
+fn round_trip(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(config(dir.path(), engine));
+    let stats = rig.tier.stats();
+    let expected_engine = if engine == EngineChoice::Uring {
+        "io_uring"
+    } else {
+        "sync"
+    };
+    assert_eq!(stats.engine, expected_engine);
+    assert_eq!(rig.tier.medium(), offload_core::Medium::Disk);
+    let chunks = four_chunks();
+    assert_eq!(rig.lookup(key(1)), TierLookup::Miss);
+    let done = rig.store(&chunks);
+    assert!(done.is_success(), "store failed keys {:?}", done.failed);
+    for &(k, ..) in &chunks {
+        assert_eq!(rig.lookup(k), TierLookup::Hit);
+    }
+    load_and_check(&mut rig, &chunks);
+    // Files: one per chunk, padded to 4 KiB, no temporary left.
+    let root = dir.path();
+    assert_eq!(files_with_suffix(root, ".kv").len(), 4);
+    assert!(files_with_suffix(root, ".tmp").is_empty());
+    assert_eq!(chunk_file_bytes(root), rig.tier.used_bytes());
+    assert_eq!(chunk_file_bytes(root) % 4096, 0);
+    // A second store of the same keys is not rewritten.
+    let done = rig.store(&chunks);
+    assert!(done.is_success());
+    let stats = rig.tier.stats();
+    assert_eq!(stats.chunks_stored, 4);
+    assert_eq!(stats.stores_skipped, 4);
+    assert_eq!(stats.chunks_loaded, 4);
+    // A load asking for another length fails that key only and keeps the file.
+    let done = rig.load(&[(key(4), 9, 4999), (key(1), 10, FULL)]);
+    assert_eq!(done.failed, vec![key(4)]);
+    assert!(rig.slot_is(10, FULL, 101));
+    assert_eq!(rig.lookup(key(4)), TierLookup::Hit);
+    assert_eq!(rig.tier.stats().failures_of(FailureKind::LengthMismatch), 1);
+}
+
+fn restart_is_warm(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let chunks = four_chunks();
+    {
+        let mut rig = Rig::start(config(dir.path(), engine));
+        assert!(rig.store(&chunks).is_success());
+    }
+    let mut rig = Rig::start(config(dir.path(), engine));
+    assert_eq!(rig.tier.stats().chunks_found_at_start, 4);
+    assert_eq!(rig.tier.chunk_count(), 4);
+    for &(k, ..) in &chunks {
+        assert_eq!(rig.lookup(k), TierLookup::Hit);
+    }
+    load_and_check(&mut rig, &chunks);
+    let namespace_dir = rig.tier.namespace_dir().to_owned();
+    drop(rig);
+    // Another layout identity lives in another directory and sees nothing.
+    let mut other = config(dir.path(), engine);
+    other.namespace.tokens_per_chunk = 512;
+    let mut rig = Rig::start(other);
+    assert_ne!(rig.tier.namespace_dir(), namespace_dir);
+    assert_eq!(rig.lookup(key(1)), TierLookup::Miss);
+    drop(rig);
+    // A namespace file that names another model is refused, naming the field.
+    let file = namespace_dir.join("namespace.json");
+    let text = fs::read_to_string(&file).unwrap();
+    fs::write(&file, text.replace("test-model", "other-model")).unwrap();
+    let memory = std::sync::Arc::new(tier_testkit::VecSlotMemory::new(4, 4096));
+    match FsTier::start(config(dir.path(), engine), memory) {
+        Err(FsError::NamespaceMismatch { field, .. }) => assert_eq!(field, "model"),
+        other => panic!("expected a namespace mismatch, got {other:?}"),
+    }
+}
+
+fn stale_temp_files_are_swept(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let namespace_dir;
+    {
+        let mut rig = Rig::start(config(dir.path(), engine));
+        assert!(rig.store(&[(key(1), 0, FULL, 1)]).is_success());
+        namespace_dir = rig.tier.namespace_dir().to_owned();
+    }
+    let fanout = files_with_suffix(&namespace_dir, ".kv")[0]
+        .parent()
+        .unwrap()
+        .to_owned();
+    let stale = [
+        fanout.join("0123456789abcdef-0.kv.999-1.tmp"),
+        fanout.join("fedcba9876543210-2.kv.999-2.tmp"),
+        namespace_dir.join("namespace.json.999-3.tmp"),
+    ];
+    for path in &stale {
+        fs::write(path, b"half a chunk").unwrap();
+    }
+    // A file named like a chunk but of an impossible size is removed too.
+    let junk = fanout.join(format!(
+        "{}-0.kv",
+        fanout.file_name().unwrap().to_string_lossy().repeat(8)
+    ));
+    fs::write(&junk, b"junk").unwrap();
+    // In a shared directory, fresh temporary files may belong to a live instance: kept.
+    {
+        let shared = FsTierConfig {
+            shared_dir: true,
+            ..config(dir.path(), engine)
+        };
+        let rig = Rig::start(shared);
+        assert_eq!(rig.tier.stats().tmp_removed_at_start, 0);
+        assert_eq!(files_with_suffix(dir.path(), ".tmp").len(), 3);
+    }
+    let mut rig = Rig::start(config(dir.path(), engine));
+    let stats = rig.tier.stats();
+    assert_eq!(stats.tmp_removed_at_start, 3);
+    assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
+    assert!(!junk.exists());
+    assert_eq!(rig.tier.chunk_count(), 1);
+    assert!(rig.load(&[(key(1), 8, FULL)]).is_success());
+    assert!(rig.slot_is(8, FULL, 1));
+}
+
+fn capacity_evicts_least_recently_used(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let capacity = 5 * FULL_FILE_BYTES;
+    let mut rig = Rig::start(FsTierConfig {
+        capacity_bytes: capacity,
+        ..config(dir.path(), engine)
+    });
+    for n in 0..5 {
+        assert!(rig.store(&[(key(n), 0, FULL, n)]).is_success());
+    }
+    // key(0) becomes the most recently used; the next store evicts key(1).
+    rig.tier.touch(&[key(0)]);
+    assert!(rig.store(&[(key(5), 0, FULL, 5)]).is_success());
+    assert_eq!(rig.lookup(key(1)), TierLookup::Miss);
+    assert_eq!(rig.lookup(key(0)), TierLookup::Hit);
+    for n in 6..14 {
+        assert!(rig.store(&[(key(n), 0, FULL, n)]).is_success());
+        assert!(rig.tier.used_bytes() <= capacity);
+        assert!(chunk_file_bytes(dir.path()) <= capacity);
+    }
+    assert_eq!(rig.tier.chunk_count(), 5);
+    assert_eq!(rig.tier.stats().evictions, 9);
+    for n in 9..14 {
+        assert_eq!(rig.lookup(key(n)), TierLookup::Hit, "key {n}");
+    }
+    // A multi-chunk job larger than the limit keeps what fits and fails the rest.
+    let big: Vec<_> = (20..27)
+        .map(|n| (key(n), (n - 20) as u32, FULL, n))
+        .collect();
+    let done = rig.store(&big);
+    assert_eq!(done.failed.len(), 2, "failed {:?}", done.failed);
+    assert!(rig.tier.used_bytes() <= capacity);
+    assert_eq!(chunk_file_bytes(dir.path()), rig.tier.used_bytes());
+    assert_eq!(rig.tier.stats().failures_of(FailureKind::Capacity), 2);
+}
+
+fn faulty(engine: EngineChoice, dir: &std::path::Path, rules: Vec<FaultRule>) -> Rig {
+    Rig::start(FsTierConfig {
+        faults: FaultPlan::new(rules),
+        ..config(dir, engine)
+    })
+}
+
+fn einval_falls_back_to_buffered(engine: EngineChoice) {
+    for site in [FaultSite::Open, FaultSite::Write, FaultSite::Read] {
+        let dir = tempfile::tempdir().unwrap();
+        let rules = vec![FaultRule::on_key(site, Fault::Einval, key(2))];
+        let mut rig = faulty(engine, dir.path(), rules);
+        assert!(
+            rig.tier.stats().direct_io,
+            "{site:?}: O_DIRECT not in use at start"
+        );
+        let chunks = four_chunks();
+        let done = rig.store(&chunks);
+        assert!(
+            done.is_success(),
+            "{site:?}: store failed {:?}",
+            done.failed
+        );
+        load_and_check(&mut rig, &chunks);
+        let stats = rig.tier.stats();
+        assert!(!stats.direct_io, "{site:?}: still O_DIRECT");
+        assert_eq!(stats.direct_fallbacks, 1, "{site:?}");
+        assert_eq!(stats.warnings, 1, "{site:?}");
+        assert_eq!(stats.failures_total(), 0, "{site:?}");
+        assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
+        // Later stores and loads run buffered.
+        let more = [(key(9), 5, FULL, 9)];
+        assert!(rig.store(&more).is_success());
+        load_and_check(&mut rig, &more);
+    }
+}
+
+fn enospc_fails_cleanly(engine: EngineChoice) {
+    for site in [FaultSite::Open, FaultSite::Write] {
+        let dir = tempfile::tempdir().unwrap();
+        let rules = vec![FaultRule::on_key(site, Fault::Enospc, key(2)).times(1)];
+        let mut rig = faulty(engine, dir.path(), rules);
+        let chunks = four_chunks();
+        let done = rig.store(&chunks);
+        assert_eq!(done.failed, vec![key(2)], "{site:?}");
+        assert!(files_with_suffix(dir.path(), ".tmp").is_empty(), "{site:?}");
+        assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 3, "{site:?}");
+        assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
+        assert_eq!(rig.tier.used_bytes(), chunk_file_bytes(dir.path()));
+        assert_eq!(rig.tier.stats().failures_of(FailureKind::NoSpace), 1);
+        // The tier still works: the same key stores and everything loads.
+        assert!(rig.store(&chunks).is_success());
+        load_and_check(&mut rig, &chunks);
+    }
+}
+
+fn eio_fails_the_key(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = vec![
+        FaultRule::on_key(FaultSite::Write, Fault::Eio, key(2)).times(1),
+        FaultRule::on_key(FaultSite::Read, Fault::Eio, key(3)).times(1),
+    ];
+    let mut rig = faulty(engine, dir.path(), rules);
+    let chunks = four_chunks();
+    assert_eq!(rig.store(&chunks).failed, vec![key(2)]);
+    assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
+    assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
+    assert!(rig.store(&chunks).is_success());
+    let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
+    assert_eq!(rig.load(&loads).failed, vec![key(3)]);
+    assert!(rig.slot_is(8, FULL, 101));
+    // A read error may be transient: the file stays and loads next time.
+    assert_eq!(rig.lookup(key(3)), TierLookup::Hit);
+    load_and_check(&mut rig, &chunks);
+    assert_eq!(rig.tier.stats().failures_of(FailureKind::Io), 2);
+}
+
+fn short_write_fails_the_key(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = vec![FaultRule::on_key(FaultSite::Write, Fault::Short, key(1)).times(1)];
+    let mut rig = faulty(engine, dir.path(), rules);
+    let chunks = four_chunks();
+    assert_eq!(rig.store(&chunks).failed, vec![key(1)]);
+    assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
+    assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 3);
+    assert_eq!(rig.lookup(key(1)), TierLookup::Miss);
+    assert_eq!(rig.tier.stats().failures_of(FailureKind::ShortWrite), 1);
+    assert!(rig.store(&chunks).is_success());
+    load_and_check(&mut rig, &chunks);
+}
+
+fn short_read_removes_the_file(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = vec![FaultRule::on_key(FaultSite::Read, Fault::Short, key(2))];
+    let mut rig = faulty(engine, dir.path(), rules);
+    let chunks = four_chunks();
+    assert!(rig.store(&chunks).is_success());
+    let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
+    assert_eq!(rig.load(&loads).failed, vec![key(2)]);
+    for &(_, slot, len, seed) in [chunks[0], chunks[2], chunks[3]].iter() {
+        assert!(rig.slot_is(slot + 8, len, seed));
+    }
+    assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
+    assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 3);
+    let stats = rig.tier.stats();
+    assert_eq!(stats.failures_of(FailureKind::ShortRead), 1);
+    assert_eq!(stats.quarantined, 1);
+    assert_eq!(rig.tier.used_bytes(), chunk_file_bytes(dir.path()));
+}
+
+fn corruption_is_detected_and_quarantined(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = vec![
+        FaultRule::on_key(FaultSite::Write, Fault::Corrupt, key(1)),
+        FaultRule::on_key(FaultSite::Read, Fault::Corrupt, key(3)),
+    ];
+    let mut rig = faulty(engine, dir.path(), rules);
+    let chunks = four_chunks();
+    assert!(rig.store(&chunks).is_success());
+    // Damage key(4)'s file on disk behind the tier's back.
+    let path = files_with_suffix(dir.path(), ".kv")
+        .into_iter()
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with(&format!("{:016x}-{}", key(4).hash, key(4).group))
+        })
+        .unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[4096 + 10] ^= 0xFF;
+    fs::write(&path, bytes).unwrap();
+    let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
+    let mut failed = rig.load(&loads).failed;
+    failed.sort();
+    let mut expected = vec![key(1), key(3), key(4)];
+    expected.sort();
+    assert_eq!(failed, expected);
+    assert!(rig.slot_is(9, FULL - 1, 102));
+    for k in [key(1), key(3), key(4)] {
+        assert_eq!(rig.lookup(k), TierLookup::Miss);
+    }
+    assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 1);
+    let stats = rig.tier.stats();
+    assert_eq!(stats.failures_of(FailureKind::Corrupt), 3);
+    assert_eq!(stats.quarantined, 3);
+}
+
+fn every_nth_rule_and_durable_stores(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(FsTierConfig {
+        durability: tier_fs::Durability::Fsync,
+        faults: FaultPlan::new(vec![FaultRule::every_nth(FaultSite::Write, Fault::Eio, 3)]),
+        ..config(dir.path(), engine)
+    });
+    let chunks: Vec<_> = (0..6).map(|n| (key(n), n as u32, FULL, n)).collect();
+    let done = rig.store(&chunks);
+    assert_eq!(done.failed.len(), 2, "failed {:?}", done.failed);
+    let kept: Vec<_> = chunks
+        .iter()
+        .copied()
+        .filter(|c| !done.failed.contains(&c.0))
+        .collect();
+    load_and_check(&mut rig, &kept);
+}
+
+macro_rules! engine_tests {
+    ($engine:expr, $($name:ident)*) => {
+        $(
+            #[test]
+            fn $name() {
+                if let Some(engine) = engine_or_skip($engine, stringify!($name)) {
+                    super::$name(engine);
+                }
+            }
+        )*
+    };
+}
+
+macro_rules! all_engine_tests {
+    ($engine:expr) => {
+        use super::*;
+        engine_tests!(
+            $engine,
+            round_trip
+            restart_is_warm
+            stale_temp_files_are_swept
+            capacity_evicts_least_recently_used
+            einval_falls_back_to_buffered
+            enospc_fails_cleanly
+            eio_fails_the_key
+            short_write_fails_the_key
+            short_read_removes_the_file
+            corruption_is_detected_and_quarantined
+            every_nth_rule_and_durable_stores
+        );
+    };
+}
+
+mod sync_engine {
+    all_engine_tests!(EngineChoice::Sync);
+}
+
+mod uring_engine {
+    all_engine_tests!(EngineChoice::Uring);
+}
+
+/// Says loudly when the io_uring variants above did not run.
+#[test]
+fn uring_tests_ran() {
+    if !uring_available() {
+        eprintln!("WARNING: io_uring is unavailable here; the uring_engine tests were skipped");
+    }
+}
+
+#[test]
+fn bad_config_names_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let memory = std::sync::Arc::new(tier_testkit::VecSlotMemory::new(4, 4096));
+    let bad = FsTierConfig {
+        jobs_in_flight_max: 0,
+        ..config(dir.path(), EngineChoice::Sync)
+    };
+    match FsTier::start(bad, memory) {
+        Err(FsError::Config { field, .. }) => assert_eq!(field, "jobs_in_flight_max"),
+        other => panic!("expected a config error, got {other:?}"),
+    }
+}
+
+#[test]
+fn shared_directory_probe_finds_chunks_of_another_instance() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = || FsTierConfig {
+        shared_dir: true,
+        ..config(dir.path(), EngineChoice::Sync)
+    };
+    let mut writer = Rig::start(shared());
+    let mut reader = Rig::start(shared());
+    let chunks = [(key(1), 0, FULL, 7), (key(2), 1, 100, 8)];
+    assert!(writer.store(&chunks).is_success());
+    // The reader's index does not know the keys: the first lookup starts a probe.
+    assert_eq!(reader.tier.lookup(key(1)), TierLookup::Retry);
+    assert_eq!(reader.lookup(key(1)), TierLookup::Hit);
+    assert_eq!(reader.lookup(key(2)), TierLookup::Hit);
+    assert_eq!(reader.lookup(key(99)), TierLookup::Miss);
+    load_and_check(&mut reader, &chunks);
+    let stats = reader.tier.stats();
+    assert_eq!(stats.probe_hits, 2);
+    assert_eq!(stats.probes, 3);
+}
