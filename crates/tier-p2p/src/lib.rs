@@ -1,1 +1,40 @@
-//! kvtier's peer tier (TCP, and RDMA through NIXL). Placeholder until its issue lands.
+//! kvtier's peer tier: engine instances share KV-cache chunks over TCP, so that a prefix
+//! computed once anywhere in a group of instances is fetched instead of recomputed.
+//!
+//! [`P2pTier`] implements [`offload_core::Tier`]. Every instance serves the chunks it published
+//! (its `Store` jobs) to its peers, asks its peers which keys they hold (batched `HAVE` requests;
+//! lookups answer `Retry` until the replies arrive, `Miss` after a deadline), and loads chunks
+//! from them (`GET` with several chunks per request, payloads read straight into the host slots
+//! and verified by checksum before they count).
+//!
+//! The protocol ([`frame`]) is versioned, length-prefixed and bounded; the handshake checks the
+//! version and the namespace (model, layout, hash seed), and with a shared secret authenticates
+//! both sides with HMAC-SHA256 ([`auth`]). Without a secret the server listens on loopback only.
+//!
+//! Threads, all bounded: one accept thread, one handler per served connection (at most
+//! `connections_max`), one local worker (publishing, local loads) and one client worker that
+//! owns one connection per peer (so one request in flight per peer). No async runtime.
+//!
+//! Not here (yet): the NIXL/RDMA data plane (a later `nixl` feature); a pre-faulted arena for
+//! published chunks (each publish allocates its copy).
+
+pub mod auth;
+mod client;
+pub mod config;
+mod conn;
+pub mod error;
+pub mod frame;
+mod handshake;
+mod lookup;
+mod server;
+mod shared;
+pub mod stats;
+mod store;
+mod tier;
+mod worker;
+
+pub use config::{Namespace, P2pConfig};
+pub use error::{P2pError, P2pErrorKind};
+pub use stats::{P2pStats, PeerStatus};
+pub use store::checksum;
+pub use tier::P2pTier;

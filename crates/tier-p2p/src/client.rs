@@ -1,0 +1,532 @@
+//! The client worker: one thread that owns the outgoing connection to every peer (so at most one
+//! request is in flight per peer), answers lookup batches with one HAVE per peer, and runs load
+//! jobs with one GET per peer and batch, reading DATA payloads straight into the reserved host
+//! slots and verifying each checksum before the chunk counts.
+//!
+//! A peer that fails (connect, handshake, timeout, bad frame, closed mid-transfer) is marked down
+//! and skipped until a backoff that doubles with each consecutive failure has passed; then it is
+//! reconnected, which also covers a peer that restarted.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use offload_core::tier::{SlotMemory, TierCompletion};
+use offload_core::ChunkKey;
+
+use crate::conn::Conn;
+use crate::error::P2pError;
+use crate::frame::{Frame, FrameError, FrameKind, DATA_PREFIX_BYTES};
+use crate::handshake;
+use crate::shared::{lock, log, Shared};
+use crate::stats::{add, PeerStatus};
+use crate::worker::{copy_local, Control, Work};
+use xxhash_rust::xxh3::Xxh3;
+
+/// Bytes of a payload received before they are hashed (small enough to stay in cache).
+const HASH_PIECE_BYTES: usize = 256 * 1024;
+/// Bytes read at a time when a payload is discarded.
+const DISCARD_PIECE_BYTES: usize = 1 << 20;
+
+/// A job for the client worker.
+#[derive(Debug)]
+pub(crate) enum ClientCommand {
+    /// Ask every peer which of these keys it holds.
+    Lookup(Vec<ChunkKey>),
+    /// Load these chunks (local copies first, then peers).
+    Load(Work),
+}
+
+/// The peers' answer to one lookup batch.
+#[derive(Debug)]
+pub(crate) struct LookupAnswer {
+    /// The keys asked.
+    pub(crate) keys: Vec<ChunkKey>,
+    /// For each key, the first peer that holds it.
+    pub(crate) holders: Vec<Option<u16>>,
+}
+
+/// One configured peer.
+struct Peer {
+    addr: SocketAddr,
+    conn: Option<Conn>,
+    failures: u32,
+    retry_at: Option<Instant>,
+    /// When the connection last carried a request.
+    used_at: Instant,
+}
+
+/// Why a fetch from one peer stopped early.
+enum Stop {
+    /// The job was cancelled or the tier is shutting down; the peer is fine.
+    Cancelled,
+    /// The peer failed.
+    Failed(P2pError),
+}
+
+impl From<P2pError> for Stop {
+    fn from(error: P2pError) -> Self {
+        Stop::Failed(error)
+    }
+}
+
+/// The client worker's state.
+pub(crate) struct Client {
+    shared: Arc<Shared>,
+    memory: Arc<dyn SlotMemory>,
+    control: Arc<Control>,
+    peers: Vec<Peer>,
+    status: Arc<Mutex<Vec<PeerStatus>>>,
+    scratch: Vec<u8>,
+}
+
+impl Client {
+    /// A client for the configured peers, reporting their state into `status`.
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        memory: Arc<dyn SlotMemory>,
+        control: Arc<Control>,
+        status: Arc<Mutex<Vec<PeerStatus>>>,
+    ) -> Self {
+        let peers = shared
+            .config
+            .peers
+            .iter()
+            .map(|&addr| Peer {
+                addr,
+                conn: None,
+                failures: 0,
+                retry_at: None,
+                used_at: Instant::now(),
+            })
+            .collect();
+        Self {
+            shared,
+            memory,
+            control,
+            peers,
+            status,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The worker's loop; returns when the tier drops its sender.
+    pub(crate) fn run(
+        mut self,
+        commands: &Receiver<ClientCommand>,
+        done: &Sender<TierCompletion>,
+        answers: &Sender<LookupAnswer>,
+    ) {
+        for command in commands {
+            let sent = match command {
+                ClientCommand::Lookup(keys) if self.control.shutting_down() => {
+                    let holders = vec![None; keys.len()];
+                    answers.send(LookupAnswer { keys, holders }).is_ok()
+                }
+                ClientCommand::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
+                ClientCommand::Load(work) => done.send(self.load(&work)).is_ok(),
+            };
+            if !sent {
+                break;
+            }
+        }
+        for p in 0..self.peers.len() {
+            self.disconnect(p);
+        }
+    }
+
+    /// Asks every reachable peer about `keys` (one HAVE per peer and batch, all sent before any
+    /// reply is read) within `lookup_deadline`.
+    fn lookup(&mut self, keys: Vec<ChunkKey>) -> LookupAnswer {
+        let deadline = Instant::now() + self.shared.config.lookup_deadline;
+        let mut holders = vec![None; keys.len()];
+        let batch_max = self.shared.config.keys_per_request_max;
+        for (batch_index, batch) in keys.chunks(batch_max).enumerate() {
+            let offset = batch_index * batch_max;
+            let mut asked = Vec::new();
+            for p in 0..self.peers.len() {
+                if !self.ready(p, deadline) {
+                    continue;
+                }
+                let conn = self.conn(p);
+                conn.set_deadline(deadline);
+                match conn.send(&Frame::Have(batch.to_vec()), "send HAVE") {
+                    Ok(()) => asked.push(p),
+                    Err(error) => self.fail(p, &error),
+                }
+            }
+            add(&self.shared.counters.have_requests, asked.len() as u64);
+            add(
+                &self.shared.counters.lookup_keys_asked,
+                (batch.len() * asked.len()) as u64,
+            );
+            for p in asked {
+                match recv_have_reply(self.conn(p), batch.len()) {
+                    Ok(held) => {
+                        for (i, _) in held.iter().enumerate().filter(|(_, &h)| h) {
+                            let slot = &mut holders[offset + i];
+                            // Fits: the config allows at most u16::MAX peers.
+                            *slot = slot.or(Some(p as u16));
+                        }
+                    }
+                    Err(error) => self.fail(p, &error),
+                }
+            }
+        }
+        LookupAnswer { keys, holders }
+    }
+
+    /// Runs a load job: local copies, then GETs to the peers (those a lookup named first) until
+    /// every chunk is loaded, the job is cancelled, or its deadline passes.
+    fn load(&mut self, work: &Work) -> TierCompletion {
+        let mut done: Vec<bool> = work
+            .chunks
+            .iter()
+            .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
+            .collect();
+        for p in self.peer_order(work, &done) {
+            if done.iter().all(|&d| d) || self.control.stopped(work.id) {
+                break;
+            }
+            if Instant::now() >= work.deadline || !self.ready(p, work.deadline) {
+                continue;
+            }
+            match self.fetch(p, work, &mut done) {
+                Ok(()) => {}
+                Err(Stop::Cancelled) => {
+                    // The stream is mid-answer; drop it rather than read the rest.
+                    self.disconnect(p);
+                    break;
+                }
+                Err(Stop::Failed(error)) => self.fail(p, &error),
+            }
+        }
+        let failed: Vec<ChunkKey> = work
+            .chunks
+            .iter()
+            .zip(&done)
+            .filter(|(_, &d)| !d)
+            .map(|(&(key, _, _), _)| key)
+            .collect();
+        TierCompletion {
+            id: work.id,
+            failed,
+        }
+    }
+
+    /// Peers in the order to try for `work`: those named by lookups for missing chunks (most
+    /// named first), then the others in configured order.
+    fn peer_order(&self, work: &Work, done: &[bool]) -> Vec<usize> {
+        let mut named = vec![0usize; self.peers.len()];
+        for (hint, _) in work.hints.iter().zip(done).filter(|(_, &d)| !d) {
+            if let Some(p) = hint.map(usize::from).filter(|&p| p < named.len()) {
+                named[p] += 1;
+            }
+        }
+        let mut order: Vec<usize> = (0..self.peers.len()).collect();
+        // Stable: ties keep the configured order.
+        order.sort_by_key(|&p| std::cmp::Reverse(named[p]));
+        order
+    }
+
+    /// GETs the chunks of `work` not yet done from peer `p`, in batches.
+    fn fetch(&mut self, p: usize, work: &Work, done: &mut [bool]) -> Result<(), Stop> {
+        let pending: Vec<usize> = (0..work.chunks.len()).filter(|&i| !done[i]).collect();
+        for batch in pending.chunks(self.shared.config.keys_per_request_max) {
+            let keys: Vec<ChunkKey> = batch.iter().map(|&i| work.chunks[i].0).collect();
+            let conn = self.conn(p);
+            conn.set_deadline(work.deadline);
+            conn.send(&Frame::Get(keys), "send GET")?;
+            let mut received = 0u32;
+            loop {
+                let header = self.conn(p).recv_header("receive GET answer")?;
+                if header.kind != FrameKind::Data {
+                    let end = recv_end(self.conn(p), header)?;
+                    if end != received {
+                        return Err(Stop::Failed(
+                            self.bad(p, format!("END says {end} DATA frames, {received} arrived")),
+                        ));
+                    }
+                    break;
+                }
+                received += 1;
+                self.receive_data(p, work, batch, header.body_len, done)?;
+                if self.control.stopped(work.id) {
+                    return Err(Stop::Cancelled);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives one DATA body (its header read) for one of `batch`'s chunks: into the slot, then
+    /// verified. A payload of the wrong length is read and dropped; its chunk stays not done.
+    fn receive_data(
+        &mut self,
+        p: usize,
+        work: &Work,
+        batch: &[usize],
+        body_len: usize,
+        done: &mut [bool],
+    ) -> Result<(), Stop> {
+        if body_len <= DATA_PREFIX_BYTES {
+            return Err(Stop::Failed(
+                self.bad(p, format!("DATA body of {body_len} bytes")),
+            ));
+        }
+        let mut prefix = [0u8; DATA_PREFIX_BYTES];
+        self.conn(p).read_exact(&mut prefix, "receive DATA")?;
+        let (key, sum) = parse_prefix(&prefix);
+        let payload_len = body_len - DATA_PREFIX_BYTES;
+        let Some(&i) = batch.iter().find(|&&i| work.chunks[i].0 == key && !done[i]) else {
+            return Err(Stop::Failed(
+                self.bad(p, format!("DATA for unrequested key {key:?}")),
+            ));
+        };
+        let (_, slot, len) = work.chunks[i];
+        if payload_len != len as usize {
+            log(format_args!(
+                "peer {} sent {key:?} with {payload_len} bytes, expected {len}; not loaded",
+                self.peers[p].addr
+            ));
+            return self.discard(p, payload_len);
+        }
+        let verified = match self.memory.slot_ptr(slot) {
+            Some(ptr) => {
+                // SAFETY: the job owns `slot` from submit until its completion is polled (the
+                // `Tier` contract), so nothing else reads or writes it now; `slot_ptr` points at
+                // `slot_bytes` contiguous bytes and `len <= slot_bytes` was checked at submit.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len as usize) };
+                receive_hashed(self.conn(p), dst)? == sum
+            }
+            None => {
+                let mut scratch = std::mem::take(&mut self.scratch);
+                scratch.resize(payload_len, 0);
+                let received = receive_hashed(self.conn(p), &mut scratch);
+                let verified = received.as_ref().is_ok_and(|&h| h == sum);
+                if verified {
+                    self.memory.write_slot(slot, 0, &scratch);
+                }
+                self.scratch = scratch;
+                received?;
+                verified
+            }
+        };
+        if !verified {
+            add(&self.shared.counters.checksum_mismatches, 1);
+            log(format_args!(
+                "peer {} sent {key:?} with a checksum mismatch; not loaded",
+                self.peers[p].addr
+            ));
+            return Ok(());
+        }
+        done[i] = true;
+        add(&self.shared.counters.chunks_fetched, 1);
+        add(&self.shared.counters.bytes_fetched, u64::from(len));
+        Ok(())
+    }
+
+    /// Reads and drops `len` payload bytes.
+    fn discard(&mut self, p: usize, mut len: usize) -> Result<(), Stop> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mut result = Ok(());
+        while len > 0 && result.is_ok() {
+            let piece = len.min(DISCARD_PIECE_BYTES);
+            scratch.resize(piece, 0);
+            result = self
+                .conn(p)
+                .read_exact(&mut scratch, "discard DATA payload");
+            len -= piece;
+        }
+        self.scratch = scratch;
+        result.map_err(Stop::Failed)
+    }
+
+    /// A protocol violation by peer `p`.
+    fn bad(&self, p: usize, reason: String) -> P2pError {
+        P2pError::Frame {
+            op: "receive GET answer",
+            peer: self.peers[p].addr,
+            source: FrameError::Malformed {
+                kind: FrameKind::Data,
+                reason,
+            },
+        }
+    }
+
+    /// Peer `p`'s connection; only called after [`Client::ready`] said it has one.
+    fn conn(&mut self, p: usize) -> &mut Conn {
+        match self.peers[p].conn.as_mut() {
+            Some(conn) => conn,
+            None => panic!("p2p client: peer {p} used without a connection (a bug)"),
+        }
+    }
+
+    /// Whether peer `p` has a handshaken connection, connecting if it is not in backoff. A
+    /// connection idle for half of `idle_timeout` is replaced first, since the peer's server
+    /// may be about to close it (peers are expected to share `idle_timeout`).
+    fn ready(&mut self, p: usize, deadline: Instant) -> bool {
+        let now = Instant::now();
+        let stale = self.shared.config.idle_timeout / 2;
+        if self.peers[p].conn.is_some() && now.duration_since(self.peers[p].used_at) > stale {
+            self.disconnect(p);
+        }
+        let shared = Arc::clone(&self.shared);
+        let config = &shared.config;
+        let peer = &mut self.peers[p];
+        if peer.conn.is_some() {
+            peer.used_at = now;
+            return true;
+        }
+        if peer.retry_at.is_some_and(|at| now < at) || now >= deadline {
+            return false;
+        }
+        let left = deadline - now;
+        let addr = peer.addr;
+        let connect = config.connect_deadline.min(left);
+        let connected =
+            Conn::connect(addr, connect, config.frame_body_bytes_max).and_then(|mut conn| {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let timeout = config
+                    .handshake_deadline
+                    .min(left)
+                    .max(Duration::from_millis(1));
+                handshake::client(&mut conn, &shared.identity, timeout).map(|()| conn)
+            });
+        match connected {
+            Ok(conn) => {
+                if let Ok(socket) = conn.socket() {
+                    self.control.register(p, socket);
+                }
+                let peer = &mut self.peers[p];
+                peer.conn = Some(conn);
+                peer.failures = 0;
+                peer.retry_at = None;
+                peer.used_at = Instant::now();
+                self.report(p, None);
+                true
+            }
+            Err(error) => {
+                self.fail(p, &error);
+                false
+            }
+        }
+    }
+
+    /// Drops peer `p`'s connection without counting a failure.
+    fn disconnect(&mut self, p: usize) {
+        if let Some(conn) = self.peers[p].conn.take() {
+            conn.shutdown();
+            self.control.unregister(p);
+        }
+        self.report(p, None);
+    }
+
+    /// Marks peer `p` down after `error`, until its backoff has passed.
+    fn fail(&mut self, p: usize, error: &P2pError) {
+        if let Some(conn) = self.peers[p].conn.take() {
+            conn.shutdown();
+            self.control.unregister(p);
+        }
+        let config = &self.shared.config;
+        let peer = &mut self.peers[p];
+        peer.failures = peer.failures.saturating_add(1);
+        let doublings = peer.failures.saturating_sub(1).min(20);
+        let backoff = config
+            .backoff_initial
+            .saturating_mul(1 << doublings)
+            .min(config.backoff_max);
+        peer.retry_at = Some(Instant::now() + backoff);
+        add(&self.shared.counters.peer_failures, 1);
+        if matches!(error, P2pError::Refused { .. }) {
+            add(&self.shared.counters.handshakes_refused, 1);
+        }
+        log(format_args!(
+            "peer {} marked down ({} consecutive failures, retry in {backoff:?}): {error}",
+            peer.addr, peer.failures
+        ));
+        self.report(p, Some(error.to_string()));
+    }
+
+    /// Publishes peer `p`'s state.
+    fn report(&self, p: usize, error: Option<String>) {
+        let peer = &self.peers[p];
+        let mut status = lock(&self.status);
+        if let Some(entry) = status.get_mut(p) {
+            entry.connected = peer.conn.is_some();
+            entry.consecutive_failures = peer.failures;
+            if error.is_some() {
+                entry.last_error = error;
+            }
+        }
+    }
+}
+
+/// Receives a HAVE_REPLY of `count` flags.
+fn recv_have_reply(conn: &mut Conn, count: usize) -> Result<Vec<bool>, P2pError> {
+    let peer = conn.peer();
+    let op = "receive HAVE reply";
+    match conn.recv(op)? {
+        Frame::HaveReply(held) if held.len() == count => Ok(held),
+        Frame::HaveReply(held) => Err(P2pError::Frame {
+            op,
+            peer,
+            source: FrameError::Malformed {
+                kind: FrameKind::HaveReply,
+                reason: format!("{} flags for {count} keys", held.len()),
+            },
+        }),
+        Frame::Error(message) => Err(P2pError::Remote { op, peer, message }),
+        other => Err(P2pError::Frame {
+            op,
+            peer,
+            source: FrameError::Unexpected {
+                expected: "HAVE_REPLY",
+                found: other.kind(),
+            },
+        }),
+    }
+}
+
+/// Receives the body of a non-DATA frame in a GET answer: END's count, or the error it is.
+fn recv_end(conn: &mut Conn, header: crate::frame::FrameHeader) -> Result<u32, P2pError> {
+    let peer = conn.peer();
+    let op = "receive GET answer";
+    match conn.recv_body(header, op)? {
+        Frame::End { sent } => Ok(sent),
+        Frame::Error(message) => Err(P2pError::Remote { op, peer, message }),
+        other => Err(P2pError::Frame {
+            op,
+            peer,
+            source: FrameError::Unexpected {
+                expected: "DATA or END",
+                found: other.kind(),
+            },
+        }),
+    }
+}
+
+/// Fills `dst` from the stream piece by piece, hashing each piece while it is still in cache;
+/// returns the xxh3-64 of all of `dst` (equal to [`crate::checksum`] of it).
+fn receive_hashed(conn: &mut Conn, dst: &mut [u8]) -> Result<u64, P2pError> {
+    let mut hasher = Xxh3::new();
+    for piece in dst.chunks_mut(HASH_PIECE_BYTES) {
+        conn.read_exact(piece, "receive DATA payload")?;
+        hasher.update(piece);
+    }
+    Ok(hasher.digest())
+}
+
+fn parse_prefix(prefix: &[u8; DATA_PREFIX_BYTES]) -> (ChunkKey, u64) {
+    let mut hash = [0u8; 8];
+    let mut group = [0u8; 4];
+    let mut sum = [0u8; 8];
+    hash.copy_from_slice(&prefix[0..8]);
+    group.copy_from_slice(&prefix[8..12]);
+    sum.copy_from_slice(&prefix[12..20]);
+    (
+        ChunkKey::new(u64::from_le_bytes(hash), u32::from_le_bytes(group)),
+        u64::from_le_bytes(sum),
+    )
+}

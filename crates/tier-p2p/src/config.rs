@@ -1,0 +1,289 @@
+//! Configuration of the peer tier ([`P2pConfig`]) and the namespace identity two peers must share
+//! ([`Namespace`]), with the checks that refuse unsafe or out-of-range settings.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::error::P2pError;
+use crate::frame::{DATA_PREFIX_BYTES, FRAME_BODY_BYTES_MIN, KEY_BYTES, NAMESPACE_BYTES_MAX};
+
+/// What makes a key mean the same bytes on two instances: the model, the KV layout, and the seed
+/// of the prefix hash. Peers with different namespaces refuse each other, because the same key
+/// would name different bytes.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Namespace {
+    bytes: Vec<u8>,
+}
+
+impl Namespace {
+    /// The namespace of `model` with KV `layout` (dtype, block size, heads, ...: any string that
+    /// changes when the bytes of a chunk would) and prefix-hash seed `hash_seed`.
+    pub fn new(model: &str, layout: &str, hash_seed: u64) -> Self {
+        let text = format!("model={model:?} layout={layout:?} hash_seed={hash_seed:#018x}");
+        Self {
+            bytes: text.into_bytes(),
+        }
+    }
+
+    /// The canonical bytes sent in HELLO and bound into the HMAC.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Namespace({})", String::from_utf8_lossy(&self.bytes))
+    }
+}
+
+impl fmt::Display for Namespace {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&String::from_utf8_lossy(&self.bytes))
+    }
+}
+
+/// Settings of a [`P2pTier`](crate::P2pTier). Every queue, table, wait and frame has a limit here.
+#[derive(Clone)]
+pub struct P2pConfig {
+    /// Where this instance serves its published chunks. Port 0 picks a free port (see
+    /// [`P2pTier::local_addr`](crate::P2pTier::local_addr)). Without `secret` it must be a
+    /// loopback address.
+    pub listen: SocketAddr,
+    /// The peers to ask and fetch from.
+    pub peers: Vec<SocketAddr>,
+    /// The namespace identity; peers must have the same.
+    pub namespace: Namespace,
+    /// Shared secret for the HMAC challenge and response; `None` means no authentication, which
+    /// is allowed on loopback only.
+    pub secret: Option<Vec<u8>>,
+    /// Bytes of published chunks this instance keeps to serve; least recently used go first.
+    pub published_bytes_max: usize,
+    /// How long a lookup may answer `Retry` before it answers `Miss`.
+    pub lookup_deadline: Duration,
+    /// How long a peer's answer to a lookup is reused. An answer is always returned at least once,
+    /// so 0 means "ask again on every new lookup".
+    pub lookup_cache_ttl: Duration,
+    /// Most keys the lookup table tracks (pending and answered).
+    pub lookup_entries_max: usize,
+    /// Deadline of a TCP connect.
+    pub connect_deadline: Duration,
+    /// Deadline of the whole handshake.
+    pub handshake_deadline: Duration,
+    /// Deadline of one load job, from its submission to its last byte.
+    pub fetch_deadline: Duration,
+    /// A served connection idle (or stalled inside a frame) for this long is closed.
+    pub idle_timeout: Duration,
+    /// First wait before a peer that failed is tried again; doubles on each failure.
+    pub backoff_initial: Duration,
+    /// Longest wait before a failed peer is tried again.
+    pub backoff_max: Duration,
+    /// Most connections the server handles at once; more are refused with an ERROR frame.
+    pub connections_max: usize,
+    /// Most jobs accepted and not yet completed; more are refused as `Busy`.
+    pub jobs_in_flight_max: usize,
+    /// Most keys in one HAVE or GET request (longer lists are split).
+    pub keys_per_request_max: usize,
+    /// Largest frame body accepted from a peer (a DATA frame holds one chunk plus 20 bytes). A
+    /// server accepts only requests, so it holds its incoming frames to the size of a HELLO or
+    /// of a request of `keys_per_request_max` keys, whichever is larger.
+    pub frame_body_bytes_max: usize,
+}
+
+impl fmt::Debug for P2pConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("P2pConfig")
+            .field("listen", &self.listen)
+            .field("peers", &self.peers)
+            .field("namespace", &self.namespace)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("published_bytes_max", &self.published_bytes_max)
+            .field("lookup_deadline", &self.lookup_deadline)
+            .field("lookup_cache_ttl", &self.lookup_cache_ttl)
+            .field("fetch_deadline", &self.fetch_deadline)
+            .field("frame_body_bytes_max", &self.frame_body_bytes_max)
+            .finish_non_exhaustive()
+    }
+}
+
+impl P2pConfig {
+    /// Loopback on a free port, no peers, no secret, and the default limits.
+    pub fn new(namespace: Namespace) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            peers: Vec::new(),
+            namespace,
+            secret: None,
+            published_bytes_max: 256 << 20,
+            lookup_deadline: Duration::from_millis(500),
+            lookup_cache_ttl: Duration::from_secs(1),
+            lookup_entries_max: 1 << 16,
+            connect_deadline: Duration::from_millis(500),
+            handshake_deadline: Duration::from_secs(1),
+            fetch_deadline: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(5),
+            connections_max: 64,
+            jobs_in_flight_max: 256,
+            keys_per_request_max: 4096,
+            frame_body_bytes_max: (64 << 20) + DATA_PREFIX_BYTES,
+        }
+    }
+
+    /// Checks every setting against the others and against the host pool's slot size.
+    pub fn validate(&self, slot_bytes: usize) -> Result<(), P2pError> {
+        if !self.listen.ip().is_loopback() && self.secret.is_none() {
+            return config(
+                "listen",
+                format!(
+                    "{} is not a loopback address; serving beyond loopback requires `secret`",
+                    self.listen
+                ),
+            );
+        }
+        if self.secret.as_ref().is_some_and(|s| s.len() < 16) {
+            return config("secret", "must be at least 16 bytes".to_owned());
+        }
+        if self.namespace.as_bytes().len() > NAMESPACE_BYTES_MAX {
+            return config(
+                "namespace",
+                format!("longer than {NAMESPACE_BYTES_MAX} bytes"),
+            );
+        }
+        if self.peers.contains(&self.listen) {
+            return config(
+                "peers",
+                format!("lists this instance's own address {}", self.listen),
+            );
+        }
+        if self.peers.len() > u16::MAX as usize {
+            return config("peers", format!("more than {} peers", u16::MAX));
+        }
+        let positive: [(&'static str, usize); 5] = [
+            ("published_bytes_max", self.published_bytes_max),
+            ("lookup_entries_max", self.lookup_entries_max),
+            ("connections_max", self.connections_max),
+            ("jobs_in_flight_max", self.jobs_in_flight_max),
+            ("keys_per_request_max", self.keys_per_request_max),
+        ];
+        if let Some((field, _)) = positive.iter().find(|(_, value)| *value == 0) {
+            return config(field, "must be at least 1".to_owned());
+        }
+        self.validate_waits()?;
+        self.validate_frames(slot_bytes)
+    }
+
+    fn validate_waits(&self) -> Result<(), P2pError> {
+        let waits: [(&'static str, Duration); 7] = [
+            ("lookup_deadline", self.lookup_deadline),
+            ("connect_deadline", self.connect_deadline),
+            ("handshake_deadline", self.handshake_deadline),
+            ("fetch_deadline", self.fetch_deadline),
+            ("idle_timeout", self.idle_timeout),
+            ("backoff_initial", self.backoff_initial),
+            ("backoff_max", self.backoff_max),
+        ];
+        if let Some((field, _)) = waits.iter().find(|(_, wait)| wait.is_zero()) {
+            return config(field, "must be longer than zero".to_owned());
+        }
+        if self.backoff_max < self.backoff_initial {
+            return config("backoff_max", "shorter than `backoff_initial`".to_owned());
+        }
+        Ok(())
+    }
+
+    fn validate_frames(&self, slot_bytes: usize) -> Result<(), P2pError> {
+        let body_max = self.frame_body_bytes_max;
+        if !(FRAME_BODY_BYTES_MIN..=u32::MAX as usize).contains(&body_max) {
+            return config(
+                "frame_body_bytes_max",
+                format!("{body_max} outside {FRAME_BODY_BYTES_MIN}..={}", u32::MAX),
+            );
+        }
+        if slot_bytes.saturating_add(DATA_PREFIX_BYTES) > body_max {
+            return config(
+                "frame_body_bytes_max",
+                format!(
+                    "{body_max} cannot hold a chunk of {slot_bytes} bytes plus {DATA_PREFIX_BYTES}"
+                ),
+            );
+        }
+        let request_bytes = self.keys_per_request_max.saturating_mul(KEY_BYTES) + 4;
+        if request_bytes > body_max {
+            return config(
+                "keys_per_request_max",
+                format!(
+                    "a request of {} keys exceeds `frame_body_bytes_max`",
+                    self.keys_per_request_max
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+fn config(field: &'static str, reason: String) -> Result<(), P2pError> {
+    Err(P2pError::Config { field, reason })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::P2pErrorKind;
+
+    fn base() -> P2pConfig {
+        P2pConfig::new(Namespace::new("m", "l", 1))
+    }
+
+    fn field_of(result: Result<(), P2pError>) -> &'static str {
+        match result {
+            Err(P2pError::Config { field, .. }) => field,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        base().validate(4 << 20).expect("defaults");
+    }
+
+    #[test]
+    fn non_loopback_listen_needs_a_secret() {
+        let mut config = base();
+        config.listen = SocketAddr::from(([0, 0, 0, 0], 0));
+        let error = config.validate(1024).expect_err("refused");
+        assert_eq!(error.kind(), P2pErrorKind::Invalid);
+        assert!(error.to_string().contains("`listen`"), "{error}");
+        assert!(error.to_string().contains("`secret`"), "{error}");
+        config.secret = Some(vec![7; 32]);
+        config.validate(1024).expect("allowed with a secret");
+    }
+
+    #[test]
+    fn limits_are_checked() {
+        let mut config = base();
+        config.frame_body_bytes_max = 1 << 20;
+        assert_eq!(field_of(config.validate(1 << 20)), "frame_body_bytes_max");
+        let mut config = base();
+        config.jobs_in_flight_max = 0;
+        assert_eq!(field_of(config.validate(1024)), "jobs_in_flight_max");
+        let mut config = base();
+        config.fetch_deadline = Duration::ZERO;
+        assert_eq!(field_of(config.validate(1024)), "fetch_deadline");
+        let mut config = base();
+        config.secret = Some(b"short".to_vec());
+        assert_eq!(field_of(config.validate(1024)), "secret");
+    }
+
+    #[test]
+    fn debug_redacts_the_secret() {
+        let mut config = base();
+        config.secret = Some(b"0123456789abcdef-secret".to_vec());
+        let text = format!("{config:?}");
+        assert!(!text.contains("secret\""), "{text}");
+        assert!(text.contains("<redacted>"), "{text}");
+        assert!(!text.contains("0123456789abcdef"), "{text}");
+    }
+}

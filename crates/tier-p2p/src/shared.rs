@@ -1,0 +1,46 @@
+//! State shared by the tier and its threads ([`Shared`]), and the small helpers they all use:
+//! locking that survives a poisoned mutex, log lines, and named thread spawning.
+
+use std::fmt::Display;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
+
+use crate::config::P2pConfig;
+use crate::error::P2pError;
+use crate::handshake::Identity;
+use crate::stats::Counters;
+use crate::store::PublishedStore;
+
+/// What the server, the workers and the tier share.
+pub(crate) struct Shared {
+    /// The validated configuration.
+    pub(crate) config: P2pConfig,
+    /// Our identity for handshakes.
+    pub(crate) identity: Identity,
+    /// The chunks we serve.
+    pub(crate) store: Mutex<PublishedStore>,
+    /// Counters.
+    pub(crate) counters: Counters,
+}
+
+/// Locks `mutex`. A panic while it was held cannot leave the store or the tables inconsistent
+/// (every update is a single step), so a poisoned lock is used as is.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Writes one log line to standard error.
+pub(crate) fn log(message: impl Display) {
+    eprintln!("kvtier tier-p2p: {message}");
+}
+
+/// Starts a named thread.
+pub(crate) fn spawn<F>(name: String, body: F) -> Result<JoinHandle<()>, P2pError>
+where
+    F: FnOnce() + Send + 'static,
+{
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(body)
+        .map_err(|source| P2pError::Spawn { name, source })
+}

@@ -1,0 +1,113 @@
+//! Counters the tier's threads update and the snapshot callers read
+//! ([`P2pStats`]), plus each peer's connection state ([`PeerStatus`]).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A snapshot of the tier's counters (all since creation).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct P2pStats {
+    /// Chunks published now.
+    pub published_chunks: u64,
+    /// Bytes published now.
+    pub published_bytes: u64,
+    /// Published chunks evicted to make room.
+    pub evictions: u64,
+    /// HAVE requests sent (one per peer and lookup batch).
+    pub have_requests: u64,
+    /// Keys sent to peers in HAVE requests (one per key and peer).
+    pub lookup_keys_asked: u64,
+    /// Lookups answered `Hit` from a peer's reply.
+    pub lookup_hits: u64,
+    /// Lookups answered `Miss` from the peers' replies.
+    pub lookup_misses: u64,
+    /// Lookups answered `Miss` because the replies did not come within `lookup_deadline`.
+    pub lookup_timeouts: u64,
+    /// Chunks fetched from peers and verified.
+    pub chunks_fetched: u64,
+    /// Bytes fetched from peers and verified.
+    pub bytes_fetched: u64,
+    /// Chunks this instance's server sent.
+    pub chunks_served: u64,
+    /// Bytes this instance's server sent.
+    pub bytes_served: u64,
+    /// Chunks whose bytes did not match their checksum (never loaded).
+    pub checksum_mismatches: u64,
+    /// Keys of load jobs that failed.
+    pub load_keys_failed: u64,
+    /// Times a peer was marked down after a failure.
+    pub peer_failures: u64,
+    /// Handshakes refused, by either side (version, namespace, secret).
+    pub handshakes_refused: u64,
+    /// Connections the server refused because `connections_max` were open.
+    pub connections_refused_busy: u64,
+    /// Served connections closed because of a malformed or oversized frame.
+    pub frames_rejected: u64,
+}
+
+/// The live counters behind [`P2pStats`].
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) evictions: AtomicU64,
+    pub(crate) have_requests: AtomicU64,
+    pub(crate) lookup_keys_asked: AtomicU64,
+    pub(crate) lookup_hits: AtomicU64,
+    pub(crate) lookup_misses: AtomicU64,
+    pub(crate) lookup_timeouts: AtomicU64,
+    pub(crate) chunks_fetched: AtomicU64,
+    pub(crate) bytes_fetched: AtomicU64,
+    pub(crate) chunks_served: AtomicU64,
+    pub(crate) bytes_served: AtomicU64,
+    pub(crate) checksum_mismatches: AtomicU64,
+    pub(crate) load_keys_failed: AtomicU64,
+    pub(crate) peer_failures: AtomicU64,
+    pub(crate) handshakes_refused: AtomicU64,
+    pub(crate) connections_refused_busy: AtomicU64,
+    pub(crate) frames_rejected: AtomicU64,
+}
+
+/// Adds `n` to a counter.
+pub(crate) fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
+
+impl Counters {
+    /// A snapshot, with the store's current size.
+    pub(crate) fn snapshot(&self, published_chunks: u64, published_bytes: u64) -> P2pStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        P2pStats {
+            published_chunks,
+            published_bytes,
+            evictions: get(&self.evictions),
+            have_requests: get(&self.have_requests),
+            lookup_keys_asked: get(&self.lookup_keys_asked),
+            lookup_hits: get(&self.lookup_hits),
+            lookup_misses: get(&self.lookup_misses),
+            lookup_timeouts: get(&self.lookup_timeouts),
+            chunks_fetched: get(&self.chunks_fetched),
+            bytes_fetched: get(&self.bytes_fetched),
+            chunks_served: get(&self.chunks_served),
+            bytes_served: get(&self.bytes_served),
+            checksum_mismatches: get(&self.checksum_mismatches),
+            load_keys_failed: get(&self.load_keys_failed),
+            peer_failures: get(&self.peer_failures),
+            handshakes_refused: get(&self.handshakes_refused),
+            connections_refused_busy: get(&self.connections_refused_busy),
+            frames_rejected: get(&self.frames_rejected),
+        }
+    }
+}
+
+/// One configured peer as the client side sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerStatus {
+    /// The peer's address.
+    pub addr: SocketAddr,
+    /// Whether a handshaken connection is open now.
+    pub connected: bool,
+    /// Failures since the last success (0 when healthy); it is retried after a backoff that
+    /// doubles with each.
+    pub consecutive_failures: u32,
+    /// The last error, naming the operation (kept after recovery, for diagnosis).
+    pub last_error: Option<String>,
+}

@@ -1,0 +1,207 @@
+//! The published-chunk store: the bytes this instance serves to its peers, each with the xxh3
+//! checksum computed when it was published, bounded by a byte capacity with least-recently-used
+//! eviction.
+//!
+//! Why a copy and not the host pool's slots: the host pool reuses a slot as soon as its chunk is
+//! evicted, and it does not tell secondary tiers. Serving a slot in place could send a peer the
+//! bytes of another chunk under the old key. So a cascade `Store` job "publishes": it copies the
+//! slot into this store, which owns its memory; a chunk being sent is held by an `Arc` and stays
+//! intact even if it is evicted meanwhile.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use offload_core::ChunkKey;
+
+/// One published chunk.
+#[derive(Debug)]
+pub(crate) struct PublishedChunk {
+    /// The chunk's bytes.
+    pub(crate) bytes: Box<[u8]>,
+    /// xxh3-64 of `bytes`, computed when it was published.
+    pub(crate) checksum: u64,
+}
+
+/// The xxh3-64 checksum the protocol uses.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(bytes)
+}
+
+#[derive(Debug)]
+struct Entry {
+    chunk: Arc<PublishedChunk>,
+    tick: u64,
+}
+
+/// Published chunks by key, with their recency order.
+#[derive(Debug)]
+pub(crate) struct PublishedStore {
+    entries: HashMap<ChunkKey, Entry>,
+    /// Recency tick to key; the smallest tick is evicted first.
+    order: BTreeMap<u64, ChunkKey>,
+    tick: u64,
+    bytes: usize,
+    bytes_max: usize,
+}
+
+/// Why a chunk could not be published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TooLarge;
+
+impl PublishedStore {
+    /// An empty store holding at most `bytes_max` bytes of chunks.
+    pub(crate) fn new(bytes_max: usize) -> Self {
+        Self {
+            entries: HashMap::new(),
+            order: BTreeMap::new(),
+            tick: 0,
+            bytes: 0,
+            bytes_max,
+        }
+    }
+
+    /// Whether `key` is published.
+    pub(crate) fn contains(&self, key: ChunkKey) -> bool {
+        self.entries.contains_key(&key)
+    }
+
+    /// The chunk under `key`, marked as recently used.
+    pub(crate) fn get(&mut self, key: ChunkKey) -> Option<Arc<PublishedChunk>> {
+        self.bump(key);
+        self.entries.get(&key).map(|e| Arc::clone(&e.chunk))
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Chunks held.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Publishes `chunk` under `key`, evicting least recently used chunks to make room; returns
+    /// how many were evicted. A key already present is only marked as used (equal keys mean equal
+    /// bytes).
+    pub(crate) fn insert(
+        &mut self,
+        key: ChunkKey,
+        chunk: PublishedChunk,
+    ) -> Result<usize, TooLarge> {
+        if self.contains(key) {
+            self.bump(key);
+            return Ok(0);
+        }
+        let len = chunk.bytes.len();
+        if len > self.bytes_max {
+            return Err(TooLarge);
+        }
+        let mut evicted = 0;
+        while self.bytes + len > self.bytes_max {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some(entry) = self.entries.remove(&oldest) {
+                self.bytes -= entry.chunk.bytes.len();
+                evicted += 1;
+            }
+        }
+        self.tick += 1;
+        self.order.insert(self.tick, key);
+        self.entries.insert(
+            key,
+            Entry {
+                chunk: Arc::new(chunk),
+                tick: self.tick,
+            },
+        );
+        self.bytes += len;
+        debug_assert!(self.bytes <= self.bytes_max);
+        debug_assert_eq!(self.order.len(), self.entries.len());
+        Ok(evicted)
+    }
+
+    /// Removes `key` (a copy that failed its checksum). Returns whether it was there.
+    pub(crate) fn remove(&mut self, key: ChunkKey) -> bool {
+        let Some(entry) = self.entries.remove(&key) else {
+            return false;
+        };
+        self.order.remove(&entry.tick);
+        self.bytes -= entry.chunk.bytes.len();
+        true
+    }
+
+    /// Marks `keys` as used, in reverse order, so that the first key is evicted last.
+    pub(crate) fn touch(&mut self, keys: &[ChunkKey]) {
+        for &key in keys.iter().rev() {
+            self.bump(key);
+        }
+    }
+
+    fn bump(&mut self, key: ChunkKey) {
+        let Some(entry) = self.entries.get_mut(&key) else {
+            return;
+        };
+        self.order.remove(&entry.tick);
+        self.tick += 1;
+        entry.tick = self.tick;
+        self.order.insert(self.tick, key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(len: usize, fill: u8) -> PublishedChunk {
+        let bytes = vec![fill; len].into_boxed_slice();
+        let checksum = checksum(&bytes);
+        PublishedChunk { bytes, checksum }
+    }
+
+    fn key(i: u64) -> ChunkKey {
+        ChunkKey::new(i, 0)
+    }
+
+    #[test]
+    fn evicts_least_recently_used_within_capacity() {
+        let mut store = PublishedStore::new(300);
+        for i in 0..3 {
+            assert_eq!(store.insert(key(i), chunk(100, i as u8)), Ok(0));
+        }
+        store.touch(&[key(0), key(1)]);
+        // Recency now: 2 (oldest), 1, 0 (newest).
+        assert_eq!(store.insert(key(3), chunk(150, 3)), Ok(2));
+        assert!(store.contains(key(0)));
+        assert!(!store.contains(key(1)));
+        assert!(!store.contains(key(2)));
+        assert_eq!(store.bytes(), 250);
+        assert_eq!(store.len(), 2);
+        assert_eq!(store.insert(key(9), chunk(301, 9)), Err(TooLarge));
+    }
+
+    #[test]
+    fn streaming_hash_equals_one_shot_checksum() {
+        let bytes: Vec<u8> = (0..1_000_003u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        for piece in bytes.chunks(256 * 1024) {
+            hasher.update(piece);
+        }
+        assert_eq!(hasher.digest(), checksum(&bytes));
+    }
+
+    #[test]
+    fn reinsert_and_remove_keep_accounting() {
+        let mut store = PublishedStore::new(1000);
+        store.insert(key(1), chunk(10, 1)).expect("fits");
+        store.insert(key(1), chunk(10, 1)).expect("again");
+        assert_eq!(store.bytes(), 10);
+        let got = store.get(key(1)).expect("present");
+        assert_eq!(got.checksum, checksum(&got.bytes));
+        assert!(store.remove(key(1)));
+        assert!(!store.remove(key(1)));
+        assert_eq!(store.bytes(), 0);
+        assert!(store.get(key(1)).is_none());
+    }
+}

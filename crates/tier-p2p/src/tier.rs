@@ -1,0 +1,511 @@
+//! [`P2pTier`]: the peer tier behind the [`Tier`] trait. It owns the server, the local worker
+//! (publishing and local loads), the client worker (peer lookups and fetches), the lookup table
+//! and the ledger of accepted jobs; `lookup`, `submit` and `poll` only touch channels and tables,
+//! never a socket.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
+use offload_core::event::Medium;
+use offload_core::tier::{
+    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+};
+use offload_core::{ChunkKey, JobId, RequestId};
+
+use crate::client::{Client, ClientCommand, LookupAnswer};
+use crate::config::P2pConfig;
+use crate::error::P2pError;
+use crate::handshake::Identity;
+use crate::lookup::{Found, LookupTable};
+use crate::server::Server;
+use crate::shared::{lock, log, spawn, Shared};
+use crate::stats::{add, Counters, P2pStats, PeerStatus};
+use crate::store::PublishedStore;
+use crate::worker::{published, run_local, Control, LocalCommand, Work};
+
+/// How long `drain` waits for a completion before it checks that the workers are alive.
+const DRAIN_CHECK: Duration = Duration::from_millis(100);
+/// Lookup batches that may wait for the client worker.
+const LOOKUP_BATCHES_MAX: usize = 64;
+
+/// Which worker runs a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Local,
+    Client,
+}
+
+/// An accepted job not yet completed.
+#[derive(Debug)]
+struct Held {
+    op: TierOp,
+    keys: Vec<ChunkKey>,
+    route: Route,
+}
+
+/// A worker thread and the sending end of its queue.
+struct Worker<C> {
+    commands: Option<Sender<C>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<C> Worker<C> {
+    /// Closes the queue and joins the thread.
+    fn stop(&mut self, name: &str) {
+        self.commands = None;
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                log(format_args!("{name} worker panicked"));
+            }
+        }
+    }
+
+    fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+}
+
+/// The peer tier: serves this instance's published chunks to peers and loads chunks that peers
+/// published.
+///
+/// * `Store` (a cascade from the host pool) **publishes**: each slot is copied into the tier's
+///   own bounded store (LRU, `published_bytes_max`), with its xxh3 checksum, and served from
+///   there. Not from the slots: the host pool reuses a slot once its chunk is evicted, without
+///   telling secondary tiers, so serving slots in place could send a peer another chunk's bytes.
+/// * `lookup` answers `Hit` at once for a key published here; otherwise it asks every peer (one
+///   HAVE per peer per `poll`), answering `Retry` until they reply, then `Hit` or `Miss`, and
+///   `Miss` after `lookup_deadline`. Answers are reused for `lookup_cache_ttl`.
+/// * `Load` copies chunks published here, and fetches the others from peers (one GET per peer
+///   for all the job's missing chunks, the peer a lookup named first) straight into the slots,
+///   verifying each checksum. The job fails the keys not loaded by `fetch_deadline` after
+///   submission.
+///
+/// Dropping the tier shuts it down.
+pub struct P2pTier {
+    shared: Arc<Shared>,
+    control: Arc<Control>,
+    slot_count: u32,
+    slot_bytes: usize,
+    server: Server,
+    local: Worker<LocalCommand>,
+    client: Worker<ClientCommand>,
+    done: Receiver<TierCompletion>,
+    answers: Receiver<LookupAnswer>,
+    held: HashMap<JobId, Held>,
+    ready: Vec<TierCompletion>,
+    lookups: LookupTable,
+    status: Arc<Mutex<Vec<PeerStatus>>>,
+    shut_down: bool,
+}
+
+impl P2pTier {
+    /// Checks `config`, binds the server and starts the worker threads.
+    pub fn new(config: P2pConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, P2pError> {
+        let slot_bytes = memory.slot_bytes();
+        config.validate(slot_bytes)?;
+        let shared = Arc::new(Shared {
+            identity: Identity {
+                namespace: config.namespace.as_bytes().to_vec(),
+                secret: config.secret.clone(),
+            },
+            store: Mutex::new(PublishedStore::new(config.published_bytes_max)),
+            counters: Counters::default(),
+            config,
+        });
+        let config = &shared.config;
+        let server = Server::start(Arc::clone(&shared))?;
+        let port = server.addr().port();
+        let control = Arc::new(Control::default());
+        let status = Arc::new(Mutex::new(
+            config
+                .peers
+                .iter()
+                .map(|&addr| PeerStatus {
+                    addr,
+                    connected: false,
+                    consecutive_failures: 0,
+                    last_error: None,
+                })
+                .collect(),
+        ));
+        // Every completion belongs to an accepted job, of which there are at most
+        // `jobs_in_flight_max`; every answer to a queued lookup batch.
+        let (done_tx, done) = unbounded();
+        let (answers_tx, answers) = unbounded();
+        let (local_tx, local_rx) = bounded(config.jobs_in_flight_max);
+        let (client_tx, client_rx) = bounded(config.jobs_in_flight_max + LOOKUP_BATCHES_MAX);
+        let local_thread = {
+            let (shared, memory, control) = (
+                Arc::clone(&shared),
+                Arc::clone(&memory),
+                Arc::clone(&control),
+            );
+            let done_tx = done_tx.clone();
+            spawn(format!("p2p-local-{port}"), move || {
+                run_local(&shared, &*memory, &control, &local_rx, &done_tx);
+            })?
+        };
+        let client = Client::new(
+            Arc::clone(&shared),
+            Arc::clone(&memory),
+            Arc::clone(&control),
+            Arc::clone(&status),
+        );
+        let client_thread = spawn(format!("p2p-client-{port}"), move || {
+            client.run(&client_rx, &done_tx, &answers_tx);
+        });
+        let client_thread = match client_thread {
+            Ok(thread) => thread,
+            Err(error) => {
+                drop(local_tx);
+                let _ = local_thread.join();
+                return Err(error);
+            }
+        };
+        let lookups = LookupTable::new(
+            config.lookup_deadline,
+            config.lookup_cache_ttl,
+            config.lookup_entries_max,
+        );
+        Ok(Self {
+            control,
+            slot_count: memory.slot_count(),
+            slot_bytes,
+            server,
+            local: Worker {
+                commands: Some(local_tx),
+                thread: Some(local_thread),
+            },
+            client: Worker {
+                commands: Some(client_tx),
+                thread: Some(client_thread),
+            },
+            done,
+            answers,
+            held: HashMap::new(),
+            ready: Vec::new(),
+            lookups,
+            status,
+            shut_down: false,
+            shared,
+        })
+    }
+
+    /// The address this instance serves on (with the port chosen when `listen` had port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.server.addr()
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &P2pConfig {
+        &self.shared.config
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> P2pStats {
+        let store = lock(&self.shared.store);
+        self.shared
+            .counters
+            .snapshot(store.len() as u64, store.bytes() as u64)
+    }
+
+    /// Each configured peer's connection state, in configured order.
+    pub fn peer_status(&self) -> Vec<PeerStatus> {
+        lock(&self.status).clone()
+    }
+
+    /// Whether `key` is published here (servable to peers now).
+    pub fn is_published(&self, key: ChunkKey) -> bool {
+        published(&self.shared, key)
+    }
+
+    /// Moves answers from the client worker into the lookup table.
+    fn take_answers(&mut self) {
+        let now = Instant::now();
+        while let Ok(answer) = self.answers.try_recv() {
+            self.lookups.record(&answer.keys, &answer.holders, now);
+        }
+    }
+
+    /// Sends the queued lookup keys to the client worker as one batch.
+    fn flush_lookups(&mut self) {
+        let keys = self.lookups.take_queued();
+        if keys.is_empty() {
+            return;
+        }
+        let Some(commands) = &self.client.commands else {
+            return;
+        };
+        match commands.try_send(ClientCommand::Lookup(keys)) {
+            Ok(()) => {}
+            // They stay pending and become misses at their deadline.
+            Err(TrySendError::Full(ClientCommand::Lookup(keys)))
+            | Err(TrySendError::Disconnected(ClientCommand::Lookup(keys))) => {
+                self.lookups.requeue(keys)
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// Records a completion from a worker.
+    fn complete(&mut self, completion: TierCompletion) {
+        let Some(held) = self.held.remove(&completion.id) else {
+            log(format_args!(
+                "broken invariant: completion of job {} that is not in flight",
+                completion.id.0
+            ));
+            debug_assert!(false, "completion of a job not in flight");
+            return;
+        };
+        debug_assert!(completion.failed.iter().all(|k| held.keys.contains(k)));
+        self.control.forget(completion.id);
+        if held.op == TierOp::Load {
+            add(
+                &self.shared.counters.load_keys_failed,
+                completion.failed.len() as u64,
+            );
+            for &key in &completion.failed {
+                self.lookups.forget(key);
+            }
+        }
+        self.ready.push(completion);
+    }
+
+    /// Takes every completion the workers queued.
+    fn collect(&mut self) {
+        while let Ok(completion) = self.done.try_recv() {
+            self.complete(completion);
+        }
+    }
+
+    /// Fails the jobs of a worker that is gone (after collecting what it sent before it went).
+    fn fail_orphans(&mut self) {
+        let local_gone = self.local.is_finished();
+        let client_gone = self.client.is_finished();
+        if !local_gone && !client_gone {
+            return;
+        }
+        self.collect();
+        let orphans: Vec<JobId> = self
+            .held
+            .iter()
+            .filter(|(_, h)| match h.route {
+                Route::Local => local_gone,
+                Route::Client => client_gone,
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in orphans {
+            log(format_args!("job {}: its worker is gone; failing it", id.0));
+            let failed = self
+                .held
+                .get(&id)
+                .map(|h| h.keys.clone())
+                .unwrap_or_default();
+            self.complete(TierCompletion { id, failed });
+        }
+    }
+
+    /// Why `job` is malformed, if it is.
+    fn invalid(&self, job: &TierJob) -> Option<String> {
+        if self.held.contains_key(&job.id) {
+            return Some(format!("duplicate in-flight job id {}", job.id.0));
+        }
+        let mut keys = HashSet::new();
+        let mut slots = HashSet::new();
+        for &(key, slot, len) in &job.chunks {
+            if slot.0 >= self.slot_count {
+                return Some(format!(
+                    "slot {} out of range ({} slots)",
+                    slot.0, self.slot_count
+                ));
+            }
+            if len == 0 || len as usize > self.slot_bytes {
+                return Some(format!(
+                    "chunk {key:?} has length {len}, outside 1..={}",
+                    self.slot_bytes
+                ));
+            }
+            if !keys.insert(key) {
+                return Some(format!("key {key:?} named twice"));
+            }
+            if job.op == TierOp::Load && !slots.insert(slot) {
+                return Some(format!("load writes slot {} twice", slot.0));
+            }
+        }
+        None
+    }
+
+    /// Hands an accepted job to its worker; gives it back if the queue refuses it.
+    fn dispatch(&mut self, job: TierJob) -> Result<Route, SubmitError> {
+        let deadline = Instant::now() + self.shared.config.fetch_deadline;
+        let hints = job
+            .chunks
+            .iter()
+            .map(|c| self.lookups.holder(c.0))
+            .collect();
+        let work = Work {
+            id: job.id,
+            chunks: job.chunks,
+            deadline,
+            hints,
+        };
+        let all_local = work.chunks.iter().all(|c| published(&self.shared, c.0));
+        let in_flight = self.held.len();
+        let refused = |full: bool| {
+            if full {
+                SubmitError::Busy { in_flight }
+            } else {
+                log("a worker is gone; refusing submissions");
+                SubmitError::ShutDown
+            }
+        };
+        if job.op == TierOp::Load && !all_local {
+            let sender = self.client.commands.as_ref().ok_or(SubmitError::ShutDown)?;
+            let command = ClientCommand::Load(work);
+            sender.try_send(command).map_err(|e| refused(e.is_full()))?;
+            return Ok(Route::Client);
+        }
+        let command = match job.op {
+            TierOp::Store => LocalCommand::Store(work),
+            TierOp::Load => LocalCommand::Load(work),
+        };
+        let sender = self.local.commands.as_ref().ok_or(SubmitError::ShutDown)?;
+        sender.try_send(command).map_err(|e| refused(e.is_full()))?;
+        Ok(Route::Local)
+    }
+}
+
+impl Tier for P2pTier {
+    fn name(&self) -> &str {
+        "p2p"
+    }
+
+    fn medium(&self) -> Medium {
+        Medium::Peer
+    }
+
+    fn lookup(&mut self, key: ChunkKey) -> TierLookup {
+        if published(&self.shared, key) {
+            return TierLookup::Hit;
+        }
+        if self.shared.config.peers.is_empty() || self.shut_down {
+            return TierLookup::Miss;
+        }
+        self.take_answers();
+        let counters = &self.shared.counters;
+        match self.lookups.lookup(key, Instant::now()) {
+            Found::Hit => {
+                add(&counters.lookup_hits, 1);
+                TierLookup::Hit
+            }
+            Found::Miss | Found::Full => {
+                add(&counters.lookup_misses, 1);
+                TierLookup::Miss
+            }
+            Found::TimedOut => {
+                add(&counters.lookup_timeouts, 1);
+                TierLookup::Miss
+            }
+            Found::Retry => {
+                if self.lookups.queued_len() >= self.shared.config.keys_per_request_max {
+                    self.flush_lookups();
+                }
+                TierLookup::Retry
+            }
+        }
+    }
+
+    fn touch(&mut self, keys: &[ChunkKey]) {
+        lock(&self.shared.store).touch(keys);
+    }
+
+    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
+        if self.shut_down {
+            return Err(SubmitError::ShutDown);
+        }
+        if let Some(reason) = self.invalid(&job) {
+            return Err(SubmitError::Invalid(reason));
+        }
+        if self.held.len() >= self.shared.config.jobs_in_flight_max {
+            return Err(SubmitError::Busy {
+                in_flight: self.held.len(),
+            });
+        }
+        if job.chunks.is_empty() {
+            self.ready.push(TierCompletion {
+                id: job.id,
+                failed: Vec::new(),
+            });
+            return Ok(());
+        }
+        let (id, op) = (job.id, job.op);
+        let keys = job.chunks.iter().map(|c| c.0).collect();
+        let route = self.dispatch(job)?;
+        self.held.insert(id, Held { op, keys, route });
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
+        self.take_answers();
+        self.flush_lookups();
+        self.collect();
+        self.fail_orphans();
+        out.append(&mut self.ready);
+    }
+
+    fn cancel(&mut self, id: JobId) {
+        if self.held.contains_key(&id) {
+            self.control.cancel(id);
+        }
+    }
+
+    fn drain(&mut self) {
+        while !self.held.is_empty() {
+            match self.done.recv_timeout(DRAIN_CHECK) {
+                Ok(completion) => self.complete(completion),
+                Err(RecvTimeoutError::Timeout) => self.fail_orphans(),
+                Err(RecvTimeoutError::Disconnected) => {
+                    // Both workers are gone (their threads finished): fail what is left.
+                    self.fail_orphans();
+                    if !self.held.is_empty() {
+                        log("workers gone with jobs in flight; failing them");
+                        let ids: Vec<JobId> = self.held.keys().copied().collect();
+                        for id in ids {
+                            let failed = self.held.get(&id).map(|h| h.keys.clone());
+                            let failed = failed.unwrap_or_default();
+                            self.complete(TierCompletion { id, failed });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_request_finished(&mut self, _request: RequestId) {
+        // Published chunks are content-addressed and shared by every request: nothing to drop.
+    }
+
+    fn shutdown(&mut self) {
+        if self.shut_down {
+            return;
+        }
+        self.control.shut_down();
+        self.drain();
+        self.local.stop("local");
+        self.client.stop("client");
+        self.collect();
+        self.server.stop();
+        self.shut_down = true;
+    }
+}
+
+impl Drop for P2pTier {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

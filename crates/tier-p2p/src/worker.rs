@@ -1,0 +1,194 @@
+//! What the tier hands its worker threads ([`Work`], [`Control`]), and the local worker: it
+//! publishes `Store` jobs into the published-chunk store and serves `Load` jobs whose chunks are
+//! all published here, so neither waits behind the network.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use offload_core::tier::{SlotMemory, TierCompletion};
+use offload_core::{ChunkKey, JobId, SlotId};
+
+use crate::shared::{lock, log, Shared};
+use crate::stats::add;
+use crate::store::{checksum, PublishedChunk, TooLarge};
+
+/// One accepted job on its way to a worker.
+#[derive(Debug)]
+pub(crate) struct Work {
+    /// The job.
+    pub(crate) id: JobId,
+    /// `(key, slot, len)` as submitted (validated).
+    pub(crate) chunks: Vec<(ChunkKey, SlotId, u32)>,
+    /// When the job must be complete (loads: submission + `fetch_deadline`).
+    pub(crate) deadline: Instant,
+    /// For each chunk, the peer (index into the configured peers) that a lookup said holds it.
+    pub(crate) hints: Vec<Option<u16>>,
+}
+
+/// Cancellation and shutdown, as the workers see them, and the client's open sockets (so that
+/// shutdown wakes a worker blocked on a stalled peer at once, instead of at its deadline).
+#[derive(Debug, Default)]
+pub(crate) struct Control {
+    cancelled: Mutex<HashSet<JobId>>,
+    shutting_down: AtomicBool,
+    sockets: Mutex<HashMap<usize, TcpStream>>,
+}
+
+impl Control {
+    /// Asks job `id` to stop early.
+    pub(crate) fn cancel(&self, id: JobId) {
+        lock(&self.cancelled).insert(id);
+    }
+
+    /// Forgets `id` (it completed).
+    pub(crate) fn forget(&self, id: JobId) {
+        lock(&self.cancelled).remove(&id);
+    }
+
+    /// Asks every job to stop early, and closes the client's sockets.
+    pub(crate) fn shut_down(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        for socket in lock(&self.sockets).values() {
+            // Already closed is fine.
+            let _ = socket.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Remembers the socket of the client's connection to peer `peer`.
+    pub(crate) fn register(&self, peer: usize, socket: TcpStream) {
+        if self.shutting_down() {
+            let _ = socket.shutdown(Shutdown::Both);
+        }
+        lock(&self.sockets).insert(peer, socket);
+    }
+
+    /// Forgets the socket of peer `peer` (its connection was dropped).
+    pub(crate) fn unregister(&self, peer: usize) {
+        lock(&self.sockets).remove(&peer);
+    }
+
+    /// Whether the tier is shutting down.
+    pub(crate) fn shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Whether job `id` should stop.
+    pub(crate) fn stopped(&self, id: JobId) -> bool {
+        self.shutting_down.load(Ordering::SeqCst) || lock(&self.cancelled).contains(&id)
+    }
+}
+
+/// A job for the local worker.
+#[derive(Debug)]
+pub(crate) enum LocalCommand {
+    /// Publish every chunk.
+    Store(Work),
+    /// Copy every chunk from the published store into its slot.
+    Load(Work),
+}
+
+/// The local worker's loop; returns when the tier drops its sender.
+pub(crate) fn run_local(
+    shared: &Shared,
+    memory: &dyn SlotMemory,
+    control: &Control,
+    commands: &Receiver<LocalCommand>,
+    done: &Sender<TierCompletion>,
+) {
+    for command in commands {
+        let completion = match command {
+            LocalCommand::Store(work) => publish(shared, memory, control, &work),
+            LocalCommand::Load(work) => {
+                let failed = work
+                    .chunks
+                    .iter()
+                    .filter(|&&chunk| {
+                        control.stopped(work.id) || !copy_local(shared, memory, chunk)
+                    })
+                    .map(|&(key, _, _)| key)
+                    .collect();
+                TierCompletion {
+                    id: work.id,
+                    failed,
+                }
+            }
+        };
+        if done.send(completion).is_err() {
+            return;
+        }
+    }
+}
+
+/// Publishes a store job's chunks: copies each slot into the store with its checksum.
+fn publish(
+    shared: &Shared,
+    memory: &dyn SlotMemory,
+    control: &Control,
+    work: &Work,
+) -> TierCompletion {
+    let mut failed = Vec::new();
+    for &(key, slot, len) in &work.chunks {
+        if control.stopped(work.id) {
+            failed.push(key);
+            continue;
+        }
+        if lock(&shared.store).contains(key) {
+            lock(&shared.store).touch(&[key]);
+            continue;
+        }
+        let mut bytes = vec![0u8; len as usize].into_boxed_slice();
+        memory.read_slot(slot, 0, &mut bytes);
+        let chunk = PublishedChunk {
+            checksum: checksum(&bytes),
+            bytes,
+        };
+        match lock(&shared.store).insert(key, chunk) {
+            Ok(evicted) => add(&shared.counters.evictions, evicted as u64),
+            Err(TooLarge) => {
+                log(format_args!(
+                    "cannot publish {key:?}: {len} bytes exceed `published_bytes_max` {}",
+                    shared.config.published_bytes_max
+                ));
+                failed.push(key);
+            }
+        }
+    }
+    TierCompletion {
+        id: work.id,
+        failed,
+    }
+}
+
+/// Copies a published chunk into its slot after verifying it; false if it is not published
+/// here, has another length, or fails its checksum (then it is removed: quarantined).
+pub(crate) fn copy_local(
+    shared: &Shared,
+    memory: &dyn SlotMemory,
+    (key, slot, len): (ChunkKey, SlotId, u32),
+) -> bool {
+    let Some(chunk) = lock(&shared.store).get(key) else {
+        return false;
+    };
+    if chunk.bytes.len() != len as usize {
+        return false;
+    }
+    if checksum(&chunk.bytes) != chunk.checksum {
+        add(&shared.counters.checksum_mismatches, 1);
+        log(format_args!(
+            "published copy of {key:?} fails its checksum; removing it"
+        ));
+        lock(&shared.store).remove(key);
+        return false;
+    }
+    memory.write_slot(slot, 0, &chunk.bytes);
+    true
+}
+
+/// Whether a key is published here (for routing a load to the local worker).
+pub(crate) fn published(shared: &Arc<Shared>, key: ChunkKey) -> bool {
+    lock(&shared.store).contains(key)
+}

@@ -1,0 +1,205 @@
+//! Behaviour of the peer tier beyond the conformance suite: lookups batched per poll, LRU
+//! eviction of published chunks, integrity checks on fetched bytes (a bad checksum or length is
+//! never loaded), idle connections replaced before the peer drops them, and a shutdown that does
+//! not wait for a stalled peer's deadline.
+
+mod common;
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierLookup};
+use offload_core::{ChunkKey, JobId, SlotId};
+use tier_p2p::frame::{encode_data_prefix, Frame};
+use tier_p2p::{checksum, P2pConfig, P2pTier};
+
+use common::Raw;
+
+const BYTES: u32 = 64 * 1024;
+const WAIT: Duration = Duration::from_secs(5);
+
+fn memory(slots: u32) -> Arc<dyn SlotMemory> {
+    Arc::new(tier_testkit::VecSlotMemory::new(slots, BYTES as usize))
+}
+
+fn instance(
+    peers: Vec<SocketAddr>,
+    edit: impl FnOnce(&mut P2pConfig),
+) -> (P2pTier, Arc<dyn SlotMemory>) {
+    let mut config = common::config(peers);
+    edit(&mut config);
+    let memory = memory(8);
+    let tier = P2pTier::new(config, Arc::clone(&memory)).expect("tier starts");
+    (tier, memory)
+}
+
+#[test]
+fn lookups_of_one_step_go_out_as_one_request_per_peer() {
+    let (mut a, memory) = instance(Vec::new(), |_| {});
+    common::publish(&mut a, &memory, 8, BYTES);
+    let (mut b, _) = instance(vec![a.local_addr()], |_| {});
+    for i in 0..10 {
+        assert_eq!(b.lookup(common::key(i)), TierLookup::Retry);
+    }
+    let mut out = Vec::new();
+    b.poll(&mut out);
+    for i in 0..10 {
+        let expected = if i < 8 {
+            TierLookup::Hit
+        } else {
+            TierLookup::Miss
+        };
+        assert_eq!(
+            common::settle(&mut b, common::key(i), WAIT),
+            expected,
+            "key {i}"
+        );
+    }
+    let stats = b.stats();
+    assert_eq!(stats.have_requests, 1, "{stats:?}");
+    assert_eq!(stats.lookup_keys_asked, 10);
+    assert_eq!((stats.lookup_hits, stats.lookup_misses), (8, 2));
+}
+
+#[test]
+fn published_chunks_are_evicted_least_recently_used_first() {
+    let (mut a, memory) = instance(Vec::new(), |c| c.published_bytes_max = 3 * BYTES as usize);
+    common::publish(&mut a, &memory, 3, BYTES);
+    a.touch(&[common::key(0), common::key(1)]);
+    // Chunk 2 is now the least recently used; publishing chunk 3 evicts it.
+    tier_testkit::fill_slot(&*memory, SlotId(3), BYTES as usize, common::seed(3));
+    a.submit(offload_core::tier::TierJob {
+        id: JobId(7),
+        request: None,
+        op: offload_core::tier::TierOp::Store,
+        chunks: vec![(common::key(3), SlotId(3), BYTES)],
+    })
+    .expect("store accepted");
+    assert!(common::wait(&mut a, JobId(7), WAIT).is_success());
+    assert!(a.is_published(common::key(0)) && a.is_published(common::key(1)));
+    assert!(!a.is_published(common::key(2)));
+    assert!(a.is_published(common::key(3)));
+    let stats = a.stats();
+    assert_eq!((stats.evictions, stats.published_chunks), (1, 3));
+    assert_eq!(stats.published_bytes, 3 * u64::from(BYTES));
+    let (mut b, _) = instance(vec![a.local_addr()], |_| {});
+    assert_eq!(
+        common::settle(&mut b, common::key(2), WAIT),
+        TierLookup::Miss
+    );
+    assert_eq!(
+        common::settle(&mut b, common::key(3), WAIT),
+        TierLookup::Hit
+    );
+}
+
+/// A peer played by hand: handshakes, then answers each GET with `answer`, until the client
+/// closes the connection.
+fn fake_peer(
+    answer: impl Fn(&mut Raw, &[ChunkKey]) + Send + 'static,
+) -> (SocketAddr, JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let thread = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().expect("accept");
+        let mut raw = Raw::new(stream);
+        let Ok(Frame::Hello(hello)) = raw.recv() else {
+            panic!("client opens with HELLO");
+        };
+        raw.send(&Raw::hello(&hello.namespace, false));
+        loop {
+            match raw.recv() {
+                Ok(Frame::Have(keys)) => raw.send(&Frame::HaveReply(vec![true; keys.len()])),
+                Ok(Frame::Get(keys)) => answer(&mut raw, &keys),
+                _ => return,
+            }
+        }
+    });
+    (addr, thread)
+}
+
+fn send_chunk(raw: &mut Raw, key: ChunkKey, sum: u64, payload: &[u8]) {
+    let mut prefix = Vec::new();
+    encode_data_prefix(key, sum, payload.len(), &mut prefix);
+    raw.send_bytes(&prefix);
+    raw.send_bytes(payload);
+}
+
+#[test]
+fn bytes_that_do_not_verify_are_never_loaded() {
+    let (addr, peer) = fake_peer(|raw, keys| {
+        let good = tier_testkit::pattern(common::seed(2), BYTES as usize);
+        // Key 0: a checksum that does not match its bytes.
+        send_chunk(raw, keys[0], checksum(&good) ^ 1, &good);
+        // Key 1: one byte short of the length the job asked for.
+        let short = &good[..BYTES as usize - 1];
+        send_chunk(raw, keys[1], checksum(short), short);
+        // Key 2: right.
+        send_chunk(raw, keys[2], checksum(&good), &good);
+        raw.send(&Frame::End { sent: 3 });
+    });
+    let (mut b, memory) = instance(vec![addr], |_| {});
+    let chunks = common::submit_load(&mut b, JobId(1), &[0, 1, 2], 0, BYTES);
+    let done = common::wait(&mut b, JobId(1), WAIT);
+    assert_eq!(done.failed, vec![chunks[0].0, chunks[1].0]);
+    common::expect_loaded(&*memory, &[2], 2, BYTES);
+    let stats = b.stats();
+    assert_eq!(stats.checksum_mismatches, 1, "{stats:?}");
+    assert_eq!(stats.chunks_fetched, 1);
+    assert_eq!(stats.peer_failures, 0, "bad chunks fail keys, not the peer");
+    b.shutdown();
+    peer.join().expect("fake peer");
+}
+
+#[test]
+fn idle_connections_are_replaced_before_the_peer_closes_them() {
+    let idle = Duration::from_millis(200);
+    let (mut a, memory) = instance(Vec::new(), |c| c.idle_timeout = idle);
+    common::publish(&mut a, &memory, 2, BYTES);
+    let (mut b, _) = instance(vec![a.local_addr()], |c| c.idle_timeout = idle);
+    assert_eq!(
+        common::settle(&mut b, common::key(0), WAIT),
+        TierLookup::Hit
+    );
+    // Idle past the server's timeout: it has closed its end by now.
+    std::thread::sleep(idle * 2);
+    assert_eq!(
+        common::settle(&mut b, common::key(1), WAIT),
+        TierLookup::Hit
+    );
+    common::submit_load(&mut b, JobId(1), &[0, 1], 0, BYTES);
+    assert!(common::wait(&mut b, JobId(1), WAIT).is_success());
+    assert_eq!(b.stats().peer_failures, 0, "{:?}", b.peer_status());
+}
+
+#[test]
+fn shutdown_does_not_wait_for_a_stalled_peer() {
+    let (stalled_tx, stalled_rx) = mpsc::channel();
+    let (addr, peer) = fake_peer(move |raw, keys| {
+        let mut prefix = Vec::new();
+        encode_data_prefix(keys[0], 0, BYTES as usize, &mut prefix);
+        raw.send_bytes(&prefix);
+        raw.send_bytes(&[0u8; 100]);
+        let _ = stalled_tx.send(());
+    });
+    let (mut b, _) = instance(vec![addr], |c| c.fetch_deadline = Duration::from_secs(30));
+    let chunks = common::submit_load(&mut b, JobId(1), &[0], 0, BYTES);
+    stalled_rx
+        .recv_timeout(WAIT)
+        .expect("peer stalls mid-payload");
+    let start = Instant::now();
+    b.shutdown();
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "shutdown waited {:?} for a stalled peer",
+        start.elapsed()
+    );
+    let mut out: Vec<TierCompletion> = Vec::new();
+    b.poll(&mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].failed, vec![chunks[0].0]);
+    peer.join().expect("fake peer");
+}
