@@ -199,6 +199,16 @@ enum Ready {
 }
 
 /// One worker: runs jobs on its own thread with its own I/O engine.
+/// What `store_done` and `load_done` are: they take one completed operation and return the
+/// operation to retry, if any.
+type CompletionHandler = fn(
+    &mut Worker,
+    Pending,
+    io::Result<usize>,
+    AlignedBuf,
+    &mut Failed,
+) -> Option<(Pending, Ready)>;
+
 pub(crate) struct Worker {
     engine: Box<dyn IoEngine>,
     memory: Arc<dyn SlotMemory>,
@@ -374,15 +384,7 @@ impl Worker {
                 }
             }
         }
-        while !items.is_empty() {
-            let results = self.execute(items);
-            items = Vec::new();
-            for (pending, result, buf) in results {
-                if let Some(retry) = self.store_done(pending, result, buf, failed) {
-                    items.push(retry);
-                }
-            }
-        }
+        self.run_to_completion(items, Self::store_done, failed);
     }
 
     /// Opens the temporary file and fills the buffer; a failure has removed the temporary file.
@@ -567,15 +569,7 @@ impl Worker {
                 Err(kind) => failed.add(self.stats(), key, kind),
             }
         }
-        while !items.is_empty() {
-            let results = self.execute(items);
-            items = Vec::new();
-            for (pending, result, buf) in results {
-                if let Some(retry) = self.load_done(pending, result, buf, failed) {
-                    items.push(retry);
-                }
-            }
-        }
+        self.run_to_completion(items, Self::load_done, failed);
     }
 
     fn prepare_load(
@@ -777,6 +771,25 @@ impl Worker {
                 self.settings.layout.dir()
             ),
         );
+    }
+
+    /// Executes `items`, handing each result to `done`, and executes again whatever `done` asks to
+    /// retry (a buffered retry after EINVAL), until nothing is left.
+    fn run_to_completion(
+        &mut self,
+        mut items: Vec<(Pending, Ready)>,
+        done: CompletionHandler,
+        failed: &mut Failed,
+    ) {
+        while !items.is_empty() {
+            let results = self.execute(items);
+            items = Vec::new();
+            for (pending, result, buf) in results {
+                if let Some(retry) = done(self, pending, result, buf, failed) {
+                    items.push(retry);
+                }
+            }
+        }
     }
 
     /// Submits the ready operations in one batch and reaps them all; injected errors complete

@@ -7,36 +7,40 @@ use offload_core::{ConnectorMeta, JobKind};
 
 use super::request::Phase;
 use super::{EngineConnector, Plan, Sim, StepOutput, TrackedJob};
-use crate::worker::{Completion, WorkerEnv};
+use crate::worker::{Completion, Worker, WorkerEnv};
 
 impl<C: EngineConnector> Sim<C> {
     pub(super) fn execute(&mut self, step: u64, plan: &Plan, meta: &ConnectorMeta) -> StepOutput {
         let mut done = Vec::new();
-        for w in &mut self.workers {
-            let mut env = WorkerEnv {
-                gpu: &mut self.gpu,
-                host: &mut self.host,
-                copier: self.copier.as_mut(),
-                geo: self.geo,
-            };
-            w.begin_step(step, meta, &mut env, &mut done);
-        }
+        self.each_worker(
+            |w, env, done| w.begin_step(step, meta, env, done),
+            &mut done,
+        );
         self.on_completions(&done);
         done.clear();
         let sampled = self.compute(plan);
-        for w in &mut self.workers {
-            let mut env = WorkerEnv {
-                gpu: &mut self.gpu,
-                host: &mut self.host,
-                copier: self.copier.as_mut(),
-                geo: self.geo,
-            };
-            w.end_step(step, meta, &mut env, &mut done);
-        }
+        self.each_worker(|w, env, done| w.end_step(step, meta, env, done), &mut done);
         self.on_completions(&done);
         StepOutput {
             workers: self.workers.iter_mut().map(|w| w.take_output()).collect(),
             sampled,
+        }
+    }
+
+    /// Runs `f` on every worker with its view of the GPU and host memory, gathering completions.
+    fn each_worker(
+        &mut self,
+        mut f: impl FnMut(&mut Worker, &mut WorkerEnv<'_>, &mut Vec<Completion>),
+        done: &mut Vec<Completion>,
+    ) {
+        for w in &mut self.workers {
+            let mut env = WorkerEnv {
+                gpu: &mut self.gpu,
+                host: &mut self.host,
+                copier: self.copier.as_mut(),
+                geo: self.geo,
+            };
+            f(w, &mut env, done);
         }
     }
 
