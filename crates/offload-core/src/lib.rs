@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod error;
 pub mod event;
 pub mod invariant;
@@ -19,6 +20,7 @@ pub mod scheduler;
 pub mod stats;
 pub mod tier;
 
+pub use bench::BenchRow;
 pub use error::{CoreError, ErrorKind};
 pub use event::{KvEvent, Medium};
 pub use key::{BlockId, ChunkKey, JobId, LookupResult, RequestId, SlotId};
