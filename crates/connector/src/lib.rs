@@ -1,4 +1,30 @@
-//! kvtier's connector: the tiering manager and the engine-facing API. Placeholder until its issue
-//! lands; it re-exports the core so engines can depend on this crate alone.
+//! kvtier's connector: what an inference engine embeds.
+//!
+//! - [`TieringManager`] ([`tiering`]): the host pool (primary tier) composed with an ordered list
+//!   of secondary tiers (disk, peers); it implements [`offload_core::OffloadManager`], so
+//!   offload-core's scheduler drives it unchanged.
+//! - [`SchedulerHandle`] ([`handle`]): the engine's scheduler side (request lifecycle, per-step
+//!   worker metadata, prefix lookups across tiers, KV events, metrics).
+//! - [`SharedTier`] ([`shared`]): a tier its builder keeps a handle to (fault injection, counters).
+//! - [`metrics`]: counters and their Prometheus text format; [`clock`]: time behind a trait a
+//!   simulator can control.
+//!
+//! Cargo features pick the tiers compiled in: `gpu` (tier-gpu's worker side, default), `fs`
+//! (tier-fs), `p2p` (tier-p2p).
+
+pub mod clock;
+pub mod handle;
+pub mod metrics;
+pub mod shared;
+pub mod tiering;
 
 pub use offload_core as core;
+
+pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use handle::{AsTiering, SchedulerHandle};
+pub use metrics::{Metrics, PoolUsage};
+pub use shared::{SharedTier, TierCall};
+pub use tiering::{
+    TierCounters, TierEvent, TierMask, TieringCounters, TieringManager, TieringOptions,
+    HOST_TIER_NAME, TIERS_MAX,
+};

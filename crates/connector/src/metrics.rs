@@ -1,0 +1,266 @@
+//! [`Metrics`]: one snapshot of every counter of the scheduler, the host pool and each secondary
+//! tier, rendered in the Prometheus text exposition format by [`Metrics::to_prometheus`].
+
+use std::fmt::Write;
+
+use offload_core::{SchedulerStats, Stats};
+use serde::Serialize;
+
+use crate::tiering::{TierCounters, TieringCounters, TieringManager, HOST_TIER_NAME};
+
+/// The host pool's occupancy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PoolUsage {
+    /// Slots in the pool.
+    pub slots_total: u32,
+    /// Slots holding a chunk (ready or being written).
+    pub slots_used: u32,
+    /// Slots holding an idle (evictable) chunk.
+    pub slots_idle: u32,
+    /// Bytes per slot.
+    pub slot_bytes: u32,
+}
+
+/// A snapshot of every counter.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Metrics {
+    /// Scheduler-side counters (jobs built, flushes, finish signals, ...).
+    pub scheduler: SchedulerStats,
+    /// The host pool's counters (lookups, hits, evictions, allocation failures, ...).
+    pub host: Stats,
+    /// The tiering manager's counters (host bytes and time per direction, ...).
+    pub tiering: TieringCounters,
+    /// Each secondary tier's name and counters, in configuration order.
+    pub tiers: Vec<(String, TierCounters)>,
+    /// The host pool's occupancy.
+    pub pool: PoolUsage,
+}
+
+impl Metrics {
+    /// Gathers the counters of `scheduler` (its stats) and `manager`.
+    pub fn gather(scheduler: SchedulerStats, manager: &TieringManager) -> Self {
+        let host = manager.host();
+        let tiers = (0..manager.tier_count())
+            .filter_map(|i| Some((manager.tier_name(i)?.to_owned(), manager.tier_counters(i)?)))
+            .collect();
+        Self {
+            scheduler,
+            host: host.stats(),
+            tiering: manager.counters(),
+            tiers,
+            pool: PoolUsage {
+                slots_total: host.slot_count(),
+                slots_used: host.slot_count() - host.free_slot_count(),
+                slots_idle: host.idle_count(),
+                slot_bytes: manager.options().slot_bytes,
+            },
+        }
+    }
+
+    /// The Prometheus text format (version 0.0.4): one `# HELP` and `# TYPE` line per metric
+    /// family, samples labelled by `tier` (`cpu` is the host pool) and `direction` (`store`:
+    /// toward slower tiers, `load`: toward the GPU).
+    pub fn to_prometheus(&self) -> String {
+        let mut out = String::new();
+        let host = HOST_TIER_NAME;
+        let t = &self.tiering;
+        let mut lookups = vec![(host.to_owned(), self.host.lookups)];
+        let mut hits = vec![(host.to_owned(), self.host.lookup_hits)];
+        let mut bytes = vec![
+            (host.to_owned(), "store", t.host_bytes_stored),
+            (host.to_owned(), "load", t.host_bytes_loaded),
+        ];
+        let mut seconds = vec![
+            (host.to_owned(), "store", t.host_store_ns),
+            (host.to_owned(), "load", t.host_load_ns),
+        ];
+        let mut chunks = vec![
+            (host.to_owned(), "store", "ok", t.host_chunks_stored),
+            (
+                host.to_owned(),
+                "store",
+                "failed",
+                self.scheduler.store_failures,
+            ),
+            (host.to_owned(), "load", "ok", t.host_chunks_loaded),
+            (
+                host.to_owned(),
+                "load",
+                "failed",
+                self.scheduler.load_failures,
+            ),
+        ];
+        for (name, c) in &self.tiers {
+            lookups.push((name.clone(), c.lookups));
+            hits.push((name.clone(), c.hits));
+            bytes.push((name.clone(), "store", c.bytes_stored));
+            bytes.push((name.clone(), "load", c.bytes_loaded));
+            seconds.push((name.clone(), "store", c.store_ns));
+            seconds.push((name.clone(), "load", c.load_ns));
+            chunks.push((name.clone(), "store", "ok", c.chunks_stored));
+            chunks.push((name.clone(), "store", "failed", c.store_chunks_failed));
+            chunks.push((name.clone(), "load", "ok", c.chunks_loaded));
+            chunks.push((name.clone(), "load", "failed", c.load_chunks_failed));
+        }
+        family(
+            &mut out,
+            "kvtier_lookups_total",
+            "counter",
+            "Keys looked up, per tier.",
+        );
+        for (tier, v) in &lookups {
+            let _ = writeln!(out, "kvtier_lookups_total{{tier=\"{tier}\"}} {v}");
+        }
+        family(
+            &mut out,
+            "kvtier_lookup_hits_total",
+            "counter",
+            "Lookups that found the key (pending included), per tier.",
+        );
+        for (tier, v) in &hits {
+            let _ = writeln!(out, "kvtier_lookup_hits_total{{tier=\"{tier}\"}} {v}");
+        }
+        family(
+            &mut out,
+            "kvtier_transfer_bytes_total",
+            "counter",
+            "Bytes moved successfully, per tier and direction.",
+        );
+        for (tier, dir, v) in &bytes {
+            let _ = writeln!(
+                out,
+                "kvtier_transfer_bytes_total{{tier=\"{tier}\",direction=\"{dir}\"}} {v}"
+            );
+        }
+        family(
+            &mut out,
+            "kvtier_transfer_seconds_total",
+            "counter",
+            "Seconds from submit to completion summed over jobs, per tier and direction.",
+        );
+        for (tier, dir, ns) in &seconds {
+            let _ = writeln!(
+                out,
+                "kvtier_transfer_seconds_total{{tier=\"{tier}\",direction=\"{dir}\"}} {}",
+                seconds_text(*ns)
+            );
+        }
+        family(
+            &mut out,
+            "kvtier_chunks_total",
+            "counter",
+            "Chunks transferred (host failures count jobs), per tier, direction and result.",
+        );
+        for (tier, dir, result, v) in &chunks {
+            let _ = writeln!(
+                out,
+                "kvtier_chunks_total{{tier=\"{tier}\",direction=\"{dir}\",result=\"{result}\"}} {v}"
+            );
+        }
+        let singles: [(&str, &str, &str, u64); 9] = [
+            (
+                "kvtier_allocation_failures_total",
+                "counter",
+                "Host-pool store preparations that failed for lack of room.",
+                self.host.allocation_failures,
+            ),
+            (
+                "kvtier_evictions_total",
+                "counter",
+                "Chunks evicted from the host pool.",
+                self.host.evictions,
+            ),
+            (
+                "kvtier_flushes_total",
+                "counter",
+                "Store jobs flushed by a fence or a preemption.",
+                self.scheduler.flushes,
+            ),
+            (
+                "kvtier_invariant_failures_total",
+                "counter",
+                "Broken bookkeeping invariants (counted outside strict mode).",
+                self.scheduler.invariant_failures
+                    + self.host.invariant_failures
+                    + self.tiering.invariant_failures,
+            ),
+            (
+                "kvtier_requests_finalized_total",
+                "counter",
+                "Requests whose finish reached every tier.",
+                self.tiering.requests_finalized,
+            ),
+            (
+                "kvtier_pool_slots",
+                "gauge",
+                "Slots in the host pool.",
+                u64::from(self.pool.slots_total),
+            ),
+            (
+                "kvtier_pool_slots_used",
+                "gauge",
+                "Host-pool slots holding a chunk.",
+                u64::from(self.pool.slots_used),
+            ),
+            (
+                "kvtier_pool_slots_idle",
+                "gauge",
+                "Host-pool slots holding an evictable chunk.",
+                u64::from(self.pool.slots_idle),
+            ),
+            (
+                "kvtier_pool_bytes_used",
+                "gauge",
+                "Bytes of host-pool slots holding a chunk.",
+                u64::from(self.pool.slots_used) * u64::from(self.pool.slot_bytes),
+            ),
+        ];
+        for (name, kind, help, v) in singles {
+            family(&mut out, name, kind, help);
+            let _ = writeln!(out, "{name} {v}");
+        }
+        out
+    }
+}
+
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Nanoseconds as decimal seconds, exactly (no float rounding).
+fn seconds_text(ns: u64) -> String {
+    format!("{}.{:09}", ns / 1_000_000_000, ns % 1_000_000_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seconds_are_exact_decimals() {
+        assert_eq!(seconds_text(0), "0.000000000");
+        assert_eq!(seconds_text(1_500_000_001), "1.500000001");
+    }
+
+    #[test]
+    fn every_sample_line_belongs_to_a_declared_family() {
+        let metrics = Metrics {
+            tiers: vec![("fs".to_owned(), TierCounters::default())],
+            ..Metrics::default()
+        };
+        let text = metrics.to_prometheus();
+        let declared: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let name = line.split(['{', ' ']).next().unwrap_or_default();
+            assert!(declared.contains(&name), "undeclared sample {line}");
+            let value = line.rsplit(' ').next().unwrap_or_default();
+            assert!(value.parse::<f64>().is_ok(), "bad value in {line}");
+        }
+        assert!(text.contains("kvtier_lookups_total{tier=\"fs\"} 0"));
+    }
+}

@@ -1,0 +1,511 @@
+//! The tiering manager against fake tiers: cascades and their pins, promotions, the per-request
+//! finalization order, reset, busy and failing tiers, and strict checks on tier reports.
+
+use std::sync::Arc;
+
+use connector::{SharedTier, TierCall, TierMask, TieringManager, TieringOptions};
+use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use offload_core::{
+    ChunkKey, EvictionPolicy, HostPool, JobId, KvEvent, LookupResult, Medium, OffloadManager,
+    PoolConfig, PreparedStore, RequestId, SlotId, SlotMemory,
+};
+use tier_testkit::{fill_slot, read_slot_vec, FakeTier, FakeTierConfig, VecSlotMemory};
+
+const SLOT_BYTES: usize = 64;
+
+fn key(n: u64) -> ChunkKey {
+    ChunkKey::new(n, 0)
+}
+
+struct Fixture {
+    memory: Arc<VecSlotMemory>,
+    tiers: Vec<SharedTier<FakeTier>>,
+    manager: TieringManager,
+}
+
+fn fixture_with(slots: u32, configs: Vec<FakeTierConfig>, strict: bool) -> Fixture {
+    let memory = Arc::new(VecSlotMemory::new(slots, SLOT_BYTES));
+    let tiers: Vec<SharedTier<FakeTier>> = configs
+        .into_iter()
+        .map(|c| {
+            let dyn_memory: Arc<dyn SlotMemory> = memory.clone();
+            SharedTier::new(FakeTier::new(dyn_memory, c), 10_000)
+        })
+        .collect();
+    let host = HostPool::with_strictness(
+        PoolConfig {
+            slot_count: slots,
+            policy: EvictionPolicy::Lru,
+            reuse_threshold: 0,
+            events: true,
+        },
+        strict,
+    )
+    .expect("pool config");
+    let options = TieringOptions {
+        strict,
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    };
+    let manager = TieringManager::new(host, tiers.iter().map(|t| t.boxed()).collect(), options)
+        .expect("manager");
+    Fixture {
+        memory,
+        tiers,
+        manager,
+    }
+}
+
+fn fixture(slots: u32, tier_count: usize) -> Fixture {
+    let configs = (0..tier_count)
+        .map(|i| FakeTierConfig {
+            name: format!("fake{i}"),
+            medium: if i == 0 { Medium::Disk } else { Medium::Peer },
+            ..FakeTierConfig::default()
+        })
+        .collect();
+    fixture_with(slots, configs, true)
+}
+
+/// Stores `keys` for `request` through the host pool as the scheduler would, writing a pattern
+/// per key into each slot; returns the slots.
+fn store(f: &mut Fixture, request: RequestId, keys: &[ChunkKey]) -> Vec<SlotId> {
+    let mut prepared = PreparedStore::default();
+    f.manager
+        .prepare_store(keys, request, &mut prepared)
+        .expect("room");
+    for (k, s) in prepared.keys.iter().zip(&prepared.slots) {
+        fill_slot(f.memory.as_ref(), *s, SLOT_BYTES, k.hash);
+    }
+    f.manager.complete_store(&prepared.keys, true);
+    prepared.slots
+}
+
+fn no_fake_violations(f: &Fixture) {
+    for t in &f.tiers {
+        let v = t.with(|t| t.violations().to_vec());
+        assert!(v.is_empty(), "tier saw contract violations: {v:?}");
+    }
+}
+
+#[test]
+fn cascade_pins_slots_until_each_tier_reports() {
+    let mut f = fixture(4, 2);
+    let r = RequestId(1);
+    store(&mut f, r, &[key(10), key(11)]);
+    // One read pin per tier while the cascades are in flight.
+    assert_eq!(f.manager.host().ref_count(key(10)), Some(2));
+    assert_eq!(f.manager.tier_jobs_in_flight(), 2);
+    f.manager.begin_step();
+    assert_eq!(f.manager.host().ref_count(key(10)), Some(0));
+    assert_eq!(f.manager.tier_jobs_in_flight(), 0);
+    for t in &f.tiers {
+        assert!(t.with(|t| t.contains(key(10)) && t.contains(key(11))));
+        let bytes = t.with(|t| t.stored_bytes(key(11)).map(<[u8]>::to_vec));
+        assert_eq!(bytes, Some(tier_testkit::pattern(11, SLOT_BYTES)));
+    }
+    let mut events = Vec::new();
+    f.manager.take_tier_events(&mut events);
+    let stored_in = |tier: &str, m: Medium| {
+        events.iter().any(|e| {
+            e.tier == tier
+                && e.event
+                    == KvEvent::Stored {
+                        key: key(10),
+                        medium: m,
+                    }
+        })
+    };
+    assert!(stored_in("cpu", Medium::Cpu));
+    assert!(stored_in("fake0", Medium::Disk));
+    assert!(stored_in("fake1", Medium::Peer));
+    no_fake_violations(&f);
+}
+
+#[test]
+fn host_miss_promotes_from_the_first_tier_that_hits_once() {
+    let mut f = fixture(4, 2);
+    store(&mut f, RequestId(1), &[key(7)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    // Drop the host copy: the tiers keep theirs.
+    f.manager.reset();
+    assert_eq!(f.manager.host().len(), 0);
+    fill_slot(f.memory.as_ref(), SlotId(0), SLOT_BYTES, 0xdead);
+    let r = RequestId(2);
+    assert_eq!(f.manager.lookup(key(7), r), LookupResult::Pending);
+    // The slot is reserved: a second lookup sees pending and promotes nothing more.
+    assert_eq!(
+        f.manager.lookup(key(7), RequestId(3)),
+        LookupResult::Pending
+    );
+    f.manager.end_step();
+    f.manager.begin_step();
+    assert_eq!(f.manager.lookup(key(7), r), LookupResult::Hit);
+    let slot = f.manager.host().slot_of(key(7)).expect("promoted");
+    assert_eq!(
+        read_slot_vec(f.memory.as_ref(), slot, SLOT_BYTES),
+        tier_testkit::pattern(7, SLOT_BYTES)
+    );
+    let loads = |t: &SharedTier<FakeTier>| {
+        t.log()
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c,
+                    TierCall::Submit {
+                        op: TierOp::Load,
+                        ..
+                    }
+                )
+            })
+            .count()
+    };
+    assert_eq!(loads(&f.tiers[0]), 1, "one promotion, from the first tier");
+    assert_eq!(loads(&f.tiers[1]), 0);
+    assert_eq!(f.manager.tier_counters(0).map(|c| c.chunks_loaded), Some(1));
+    no_fake_violations(&f);
+}
+
+#[test]
+fn promotions_go_out_in_one_batch_per_tier_and_request() {
+    let mut f = fixture(8, 1);
+    store(&mut f, RequestId(1), &[key(1), key(2), key(3)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    f.manager.reset();
+    for k in 1..=3 {
+        assert_eq!(
+            f.manager.lookup(key(k), RequestId(5)),
+            LookupResult::Pending
+        );
+    }
+    assert_eq!(
+        f.manager.lookup(key(1), RequestId(6)),
+        LookupResult::Pending
+    );
+    f.manager.end_step();
+    let batches: Vec<Vec<ChunkKey>> = f.tiers[0]
+        .log()
+        .into_iter()
+        .filter_map(|c| match c {
+            TierCall::Submit {
+                op: TierOp::Load,
+                keys,
+                request,
+                ..
+            } => {
+                assert_eq!(request, Some(RequestId(5)));
+                Some(keys)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(batches, vec![vec![key(1), key(2), key(3)]]);
+}
+
+#[test]
+fn a_full_host_pool_turns_a_tier_hit_into_a_miss() {
+    let mut f = fixture(1, 1);
+    store(&mut f, RequestId(1), &[key(1)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    f.manager.reset();
+    // The only slot is being written by another store.
+    let mut prepared = PreparedStore::default();
+    f.manager
+        .prepare_store(&[key(2)], RequestId(2), &mut prepared)
+        .expect("room");
+    assert_eq!(f.manager.lookup(key(1), RequestId(3)), LookupResult::Miss);
+    assert_eq!(
+        f.manager.tier_counters(0).map(|c| c.promotion_no_space),
+        Some(1)
+    );
+    f.manager.complete_store(&prepared.keys, false);
+}
+
+#[test]
+fn tier_filter_limits_where_a_request_loads_from() {
+    let mut f = fixture(4, 2);
+    store(&mut f, RequestId(1), &[key(1)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    f.manager.reset();
+    f.manager.set_request_tiers(RequestId(2), TierMask::NONE);
+    assert_eq!(f.manager.lookup(key(1), RequestId(2)), LookupResult::Miss);
+    f.manager
+        .set_request_tiers(RequestId(3), TierMask::of(&[1]));
+    assert_eq!(
+        f.manager.lookup(key(1), RequestId(3)),
+        LookupResult::Pending
+    );
+    f.manager.end_step();
+    let from_peer = f.tiers[1].log().iter().any(|c| {
+        matches!(
+            c,
+            TierCall::Submit {
+                op: TierOp::Load,
+                ..
+            }
+        )
+    });
+    assert!(from_peer, "request 3 may load only from tier 1");
+    assert_eq!(f.manager.tier_counters(0).map(|c| c.lookups), Some(0));
+}
+
+#[test]
+fn tiers_hear_the_finish_only_after_every_host_store_completed_and_cascaded() {
+    let mut f = fixture(4, 1);
+    let r = RequestId(9);
+    let mut prepared = PreparedStore::default();
+    f.manager
+        .prepare_store(&[key(1)], r, &mut prepared)
+        .expect("room");
+    // The finish arrives while the host store is still in flight (the reference's crash).
+    f.manager.on_request_finished(r);
+    assert!(!f.manager.is_finalized(r));
+    assert!(!f.tiers[0].log().contains(&TierCall::Finished(r)));
+    f.manager.complete_store(&prepared.keys, true);
+    assert!(f.manager.is_finalized(r));
+    let log = f.tiers[0].log();
+    let submit = log
+        .iter()
+        .position(|c| matches!(c, TierCall::Submit { request: Some(q), .. } if *q == r));
+    let finished = log.iter().position(|c| *c == TierCall::Finished(r));
+    assert!(
+        submit.is_some() && finished.is_some() && submit < finished,
+        "{log:?}"
+    );
+    f.manager.begin_step();
+    no_fake_violations(&f);
+}
+
+#[test]
+fn queued_promotions_are_submitted_before_the_tiers_hear_the_finish() {
+    let mut f = fixture(4, 1);
+    store(&mut f, RequestId(1), &[key(1)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    f.manager.reset();
+    let r = RequestId(2);
+    assert_eq!(f.manager.lookup(key(1), r), LookupResult::Pending);
+    // Aborted before the end of the step.
+    f.manager.on_request_finished(r);
+    let log = f.tiers[0].log();
+    let load = log.iter().position(
+        |c| matches!(c, TierCall::Submit { op: TierOp::Load, request: Some(q), .. } if *q == r),
+    );
+    let finished = log.iter().position(|c| *c == TierCall::Finished(r));
+    assert!(load.is_some() && load < finished, "{log:?}");
+    f.manager.begin_step();
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+    no_fake_violations(&f);
+}
+
+#[test]
+fn a_failed_promotion_is_freed_and_that_request_recomputes() {
+    let mut f = fixture(4, 1);
+    store(&mut f, RequestId(1), &[key(1)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    f.manager.reset();
+    f.tiers[0].with(|t| t.faults_mut().corrupt_on_load.insert(key(1)));
+    let r = RequestId(2);
+    assert_eq!(f.manager.lookup(key(1), r), LookupResult::Pending);
+    f.manager.end_step();
+    f.manager.begin_step();
+    assert_eq!(f.manager.host().slot_of(key(1)), None, "never served");
+    assert_eq!(f.manager.lookup(key(1), r), LookupResult::Miss);
+    assert_eq!(
+        f.manager.tier_counters(0).map(|c| c.load_chunks_failed),
+        Some(1)
+    );
+}
+
+#[test]
+fn a_busy_tier_gets_its_cascade_later_and_the_finish_waits_for_it() {
+    let configs = vec![FakeTierConfig {
+        name: "slow".to_owned(),
+        jobs_in_flight_max: 1,
+        completion_delay_polls: 1,
+        ..FakeTierConfig::default()
+    }];
+    let mut f = fixture_with(8, configs, true);
+    let r = RequestId(1);
+    store(&mut f, r, &[key(1)]);
+    store(&mut f, r, &[key(2)]);
+    assert_eq!(f.manager.tier_counters(0).map(|c| c.submits_busy), Some(1));
+    f.manager.on_request_finished(r);
+    assert!(!f.manager.is_finalized(r), "a cascade is still queued");
+    for _ in 0..4 {
+        f.manager.begin_step();
+        f.manager.end_step();
+    }
+    assert!(f.manager.is_finalized(r));
+    assert!(f.tiers[0].with(|t| t.contains(key(1)) && t.contains(key(2))));
+    assert_eq!(f.manager.host().ref_count(key(2)), Some(0));
+    no_fake_violations(&f);
+}
+
+#[test]
+fn reset_drains_tier_io_first_and_finalizes_finished_requests_once() {
+    let configs = vec![FakeTierConfig {
+        completion_delay_polls: 100,
+        ..FakeTierConfig::default()
+    }];
+    let mut f = fixture_with(4, configs, true);
+    let r = RequestId(1);
+    store(&mut f, r, &[key(1)]);
+    let mut prepared = PreparedStore::default();
+    f.manager
+        .prepare_store(&[key(2)], r, &mut prepared)
+        .expect("room");
+    f.manager.on_request_finished(r);
+    assert_eq!(f.manager.tier_jobs_in_flight(), 1);
+    f.manager.reset();
+    assert_eq!(
+        f.manager.tier_jobs_in_flight(),
+        0,
+        "drained before the slots were freed"
+    );
+    let log = f.tiers[0].log();
+    let drain = log.iter().position(|c| *c == TierCall::Drain);
+    let completed = log
+        .iter()
+        .position(|c| matches!(c, TierCall::Completed { .. }));
+    assert!(drain.is_some() && completed > drain, "{log:?}");
+    assert_eq!(
+        log.iter().filter(|c| **c == TierCall::Finished(r)).count(),
+        1
+    );
+    assert!(f.tiers[0].with(|t| t.contains(key(1))), "tier data kept");
+    assert_eq!(f.manager.host().len(), 0);
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+    no_fake_violations(&f);
+}
+
+/// A tier that reports what it is told to, to break the report rules.
+struct Liar {
+    reports: Vec<TierCompletion>,
+}
+
+impl Tier for Liar {
+    fn name(&self) -> &str {
+        "liar"
+    }
+    fn medium(&self) -> Medium {
+        Medium::Disk
+    }
+    fn lookup(&mut self, _: ChunkKey) -> TierLookup {
+        TierLookup::Miss
+    }
+    fn touch(&mut self, _: &[ChunkKey]) {}
+    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
+        // Reports each job twice, and a job nobody submitted.
+        for _ in 0..2 {
+            self.reports.push(TierCompletion {
+                id: job.id,
+                failed: Vec::new(),
+            });
+        }
+        self.reports.push(TierCompletion {
+            id: JobId(job.id.0 + 1000),
+            failed: Vec::new(),
+        });
+        Ok(())
+    }
+    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
+        out.append(&mut self.reports);
+    }
+    fn cancel(&mut self, _: JobId) {}
+    fn drain(&mut self) {}
+    fn on_request_finished(&mut self, _: RequestId) {}
+    fn shutdown(&mut self) {}
+}
+
+#[test]
+fn reports_twice_unknown_or_from_the_wrong_tier_are_invariant_failures() {
+    let memory = Arc::new(VecSlotMemory::new(4, SLOT_BYTES));
+    let host = HostPool::with_strictness(
+        PoolConfig {
+            slot_count: 4,
+            policy: EvictionPolicy::Lru,
+            reuse_threshold: 0,
+            events: true,
+        },
+        false,
+    )
+    .expect("pool");
+    let dyn_memory: Arc<dyn SlotMemory> = memory.clone();
+    let honest = FakeTier::new(dyn_memory, FakeTierConfig::default());
+    let options = TieringOptions {
+        strict: false,
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    };
+    let tiers: Vec<Box<dyn Tier>> = vec![
+        Box::new(honest),
+        Box::new(Liar {
+            reports: Vec::new(),
+        }),
+    ];
+    let mut manager = TieringManager::new(host, tiers, options).expect("manager");
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(&[key(1)], RequestId(1), &mut prepared)
+        .expect("room");
+    manager.complete_store(&prepared.keys, true);
+    // Jobs 1 (honest) and 2 (liar). The liar reports 2 twice and 1002 (unknown).
+    manager.begin_step();
+    assert_eq!(manager.counters().invariant_failures, 2);
+    assert_eq!(manager.tier_jobs_in_flight(), 0);
+
+    // Strict mode panics on the first.
+    let strict = std::panic::catch_unwind(|| {
+        let mut f = fixture(4, 0);
+        let liar: Box<dyn Tier> = Box::new(Liar {
+            reports: Vec::new(),
+        });
+        let host = HostPool::new(PoolConfig {
+            slot_count: 4,
+            policy: EvictionPolicy::Lru,
+            reuse_threshold: 0,
+            events: false,
+        })
+        .expect("pool");
+        f.manager = TieringManager::new(
+            host,
+            vec![liar],
+            TieringOptions {
+                strict: true,
+                ..TieringOptions::new(SLOT_BYTES as u32)
+            },
+        )
+        .expect("manager");
+        store(&mut f, RequestId(1), &[key(1)]);
+        f.manager.begin_step();
+    });
+    assert!(strict.is_err(), "strict mode must panic on a bad report");
+}
+
+#[test]
+fn calls_for_a_finished_request_are_invariant_failures() {
+    let mut f = fixture_with(4, vec![FakeTierConfig::default()], false);
+    let r = RequestId(4);
+    f.manager.on_request_finished(r);
+    assert!(f.manager.is_finalized(r));
+    let mut prepared = PreparedStore::default();
+    assert!(f
+        .manager
+        .prepare_store(&[key(1)], r, &mut prepared)
+        .is_err());
+    f.manager.on_request_finished(r);
+    assert_eq!(f.manager.counters().invariant_failures, 2);
+    assert!(f.manager.host().is_empty(), "nothing was reserved");
+}
