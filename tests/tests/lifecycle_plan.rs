@@ -82,6 +82,7 @@ fn request(
     RequestSpec {
         arrival_step,
         prefix,
+        segments: Vec::new(),
         unique_tokens: unique,
         seed: arrival_step.wrapping_mul(0x9e37_79b9) ^ u64::from(unique),
         max_tokens,

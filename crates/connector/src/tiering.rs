@@ -363,6 +363,23 @@ impl TieringManager {
         self.finalized.contains(&request)
     }
 
+    /// Whether `request` finished and its finalization waits (for host stores or for queued
+    /// cascades); `false` for finalized and for live requests.
+    pub fn is_awaiting_finalization(&self, request: RequestId) -> bool {
+        self.requests.get(&request).is_some_and(|r| r.finished)
+    }
+
+    /// Bookkeeping left over once every engine job was acknowledged: host stores never
+    /// completed, promotions queued and never submitted, finished requests never finalized. Tier
+    /// jobs still in flight are not leaks (see [`TieringManager::outstanding`]).
+    pub fn leaks(&self) -> Vec<String> {
+        let mut out = self.outstanding();
+        if !self.in_flight.is_empty() {
+            out.remove(0);
+        }
+        out
+    }
+
     /// Problems visible at the end of a run: tier jobs or host stores outstanding, requests
     /// finished but not finalized. Empty when everything was reported.
     pub fn outstanding(&self) -> Vec<String> {

@@ -324,6 +324,15 @@ impl<M: OffloadManager> OffloadManager for CheckedManager<M> {
     }
 }
 
+impl<M: ::connector::AsTiering> ::connector::AsTiering for CheckedManager<M> {
+    fn tiering(&self) -> &::connector::TieringManager {
+        self.inner.tiering()
+    }
+    fn tiering_mut(&mut self) -> &mut ::connector::TieringManager {
+        self.inner.tiering_mut()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

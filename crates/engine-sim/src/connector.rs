@@ -1,6 +1,7 @@
 //! The engine-facing calls the simulator makes, as a trait: kvtier's [`Scheduler`] (wrapped around a
-//! [`CheckedManager`]) implements it, and so does [`NullConnector`], an engine without offload that
-//! serves as the baseline and lets the engine loop be tested on its own.
+//! [`CheckedManager`]) implements it, so does the connector's [`SchedulerHandle`] over a checked
+//! tiering manager ([`KvHandle`]: host pool plus secondary tiers), and so does [`NullConnector`], an
+//! engine without offload that serves as the baseline and lets the engine loop be tested on its own.
 
 use offload_core::scheduler::FinishedRequest;
 use offload_core::{
@@ -8,10 +9,15 @@ use offload_core::{
     StepInput, UpdateOutcome, WorkerOutput,
 };
 
+use ::connector::{AsTiering, SchedulerHandle, TieringManager};
+
 use crate::checked::CheckedManager;
 
 /// kvtier's scheduler as the simulator drives it: over a checked manager.
 pub type KvScheduler<M> = Scheduler<CheckedManager<M>>;
+
+/// The connector's scheduler handle as the simulator drives it: over a checked tiering manager.
+pub type KvHandle<M = TieringManager> = SchedulerHandle<CheckedManager<M>>;
 
 /// The scheduler-side connector calls, in the shape of [`Scheduler`]'s API (see its module doc for
 /// the call order).
@@ -113,6 +119,74 @@ impl<M: OffloadManager> EngineConnector for KvScheduler<M> {
     }
     fn violations(&self) -> (u64, &[String]) {
         let count = self.manager().violation_count() + self.stats().invariant_failures;
+        (count, self.manager().violations())
+    }
+}
+
+impl<M: AsTiering> EngineConnector for KvHandle<M> {
+    fn on_new_request(&mut self, request: NewRequest) {
+        SchedulerHandle::on_new_request(self, request);
+    }
+    fn get_num_new_matched_tokens(
+        &mut self,
+        id: RequestId,
+        num_tokens: u32,
+        block_hashes: &[u64],
+        num_computed_tokens: u32,
+    ) -> MatchResult {
+        SchedulerHandle::get_num_new_matched_tokens(
+            self,
+            id,
+            num_tokens,
+            block_hashes,
+            num_computed_tokens,
+        )
+    }
+    fn update_state_after_alloc(
+        &mut self,
+        id: RequestId,
+        block_ids: &[BlockId],
+        num_external_tokens: u32,
+    ) {
+        SchedulerHandle::update_state_after_alloc(self, id, block_ids, num_external_tokens);
+    }
+    fn build_connector_meta(&mut self, step: &StepInput<'_>) -> ConnectorMeta {
+        SchedulerHandle::build_connector_meta(self, step)
+    }
+    fn update_connector_output(&mut self, outputs: &[WorkerOutput]) -> UpdateOutcome {
+        SchedulerHandle::update_connector_output(self, outputs)
+    }
+    fn request_finished(&mut self, request: &FinishedRequest<'_>) -> bool {
+        SchedulerHandle::request_finished(self, request)
+    }
+    fn reset_cache(&mut self) -> UpdateOutcome {
+        SchedulerHandle::reset_cache(self)
+    }
+    fn take_released(&mut self, out: &mut Vec<RequestId>) {
+        SchedulerHandle::take_released(self, out);
+    }
+    fn take_events(&mut self, out: &mut Vec<KvEvent>) {
+        SchedulerHandle::take_events(self, out);
+    }
+    /// Closed once the checker saw the finish and the tiers heard it (a finished request may
+    /// wait for its cascades to be submitted to a busy tier).
+    fn is_request_closed(&self, id: RequestId) -> bool {
+        self.manager().is_finished(id) && !self.tiering().is_awaiting_finalization(id)
+    }
+    fn end_of_run_problems(&self, out: &mut Vec<String>) {
+        let (stores, pins) = self.manager().outstanding();
+        if stores > 0 {
+            out.push(format!("{stores} prepared stores never completed"));
+        }
+        if pins > 0 {
+            out.push(format!("{pins} load pins never released"));
+        }
+        out.extend(self.tiering().leaks());
+    }
+    fn violations(&self) -> (u64, &[String]) {
+        let count = self.manager().violation_count()
+            + self.scheduler().stats().invariant_failures
+            + self.tiering().counters().invariant_failures;
         (count, self.manager().violations())
     }
 }

@@ -1,43 +1,104 @@
 //! The simulated host pool's bytes, tensor-parallel shards, and the block copy behind a small
 //! trait ([`CopyEngine`]) so that a real host-path implementation can replace the plain memcpy.
+//!
+//! The pool's bytes are one buffer shared by every worker (each writes its byte shard of every
+//! slot) and by the secondary tiers (through [`HostMemory::slot_memory`], an
+//! [`offload_core::SlotMemory`]): a cascade stores exactly what the workers wrote, and a promotion
+//! is what the workers' loads read. A lock serialises access; the `Tier` ownership rules already
+//! keep tiers and workers off each other's slots.
 
-use offload_core::{BlockId, SlotId, Transfer};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-/// The host pool's bytes: `slot_count` slots of `slot_bytes` in one buffer.
+use offload_core::{BlockId, SlotId, SlotMemory, Transfer};
+
+/// The bytes behind a [`HostMemory`], as tiers see them.
+#[derive(Debug)]
+struct SharedSlots {
+    slot_bytes: usize,
+    slot_count: u32,
+    bytes: Mutex<Vec<u8>>,
+}
+
+impl SharedSlots {
+    fn lock(&self) -> MutexGuard<'_, Vec<u8>> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn range(&self, slot: SlotId, offset: usize, len: usize) -> std::ops::Range<usize> {
+        assert!(
+            slot.0 < self.slot_count && offset + len <= self.slot_bytes,
+            "range {offset}+{len} of slot {} outside a pool of {} slots of {} bytes",
+            slot.0,
+            self.slot_count,
+            self.slot_bytes
+        );
+        let at = slot.0 as usize * self.slot_bytes + offset;
+        at..at + len
+    }
+}
+
+impl SlotMemory for SharedSlots {
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot_count(&self) -> u32 {
+        self.slot_count
+    }
+
+    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
+        let range = self.range(slot, offset, dst.len());
+        dst.copy_from_slice(&self.lock()[range]);
+    }
+
+    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
+        let range = self.range(slot, offset, src.len());
+        self.lock()[range].copy_from_slice(src);
+    }
+}
+
+/// The host pool's bytes: `slot_count` slots of `slot_bytes` in one buffer. Clones share it.
 #[derive(Clone, Debug)]
 pub struct HostMemory {
-    slot_bytes: usize,
-    bytes: Vec<u8>,
+    shared: Arc<SharedSlots>,
 }
 
 impl HostMemory {
     /// Zeroed memory for `slot_count` slots.
     pub fn new(slot_count: u32, slot_bytes: usize) -> Self {
         Self {
-            slot_bytes,
-            bytes: vec![0; slot_count as usize * slot_bytes],
+            shared: Arc::new(SharedSlots {
+                slot_bytes,
+                slot_count,
+                bytes: Mutex::new(vec![0; slot_count as usize * slot_bytes]),
+            }),
         }
     }
 
     /// Bytes per slot.
     pub fn slot_bytes(&self) -> usize {
-        self.slot_bytes
+        self.shared.slot_bytes
     }
 
     /// Number of slots.
     pub fn slot_count(&self) -> u32 {
-        (self.bytes.len() / self.slot_bytes.max(1)) as u32
+        self.shared.slot_count
     }
 
-    /// One slot's bytes.
-    pub fn slot(&self, slot: SlotId) -> &[u8] {
-        let at = slot.0 as usize * self.slot_bytes;
-        &self.bytes[at..at + self.slot_bytes]
+    /// A copy of one slot's bytes.
+    pub fn slot(&self, slot: SlotId) -> Vec<u8> {
+        let range = self.shared.range(slot, 0, self.shared.slot_bytes);
+        self.shared.lock()[range].to_vec()
     }
 
-    /// The whole buffer, writable (for copy engines).
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes
+    /// The whole buffer, writable (for copy engines), locked until the guard is dropped.
+    pub fn bytes_mut(&mut self) -> MutexGuard<'_, Vec<u8>> {
+        self.shared.lock()
+    }
+
+    /// The same bytes as a [`SlotMemory`], for secondary tiers.
+    pub fn slot_memory(&self) -> Arc<dyn SlotMemory> {
+        self.shared.clone()
     }
 }
 

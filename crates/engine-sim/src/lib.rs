@@ -7,7 +7,8 @@
 //! - [`gpu`]: the GPU KV cache and its block pool (reference counts, LRU free queue, prefix cache).
 //! - [`host`], [`worker`]: the host pool's bytes, shards, block copies, and the workers.
 //! - [`checked`]: [`CheckedManager`], a lifecycle checker around any offload manager.
-//! - [`connector`]: the connector calls as a trait, for kvtier's scheduler and a no-offload baseline.
+//! - [`connector`]: the connector calls as a trait, for kvtier's scheduler, the connector crate's
+//!   [`::connector::SchedulerHandle`] (tiering across host, disk and peers) and a no-offload baseline.
 //! - [`sim`]: [`Sim`], the engine loop (sync or async scheduling), with its checks.
 //!
 //! One seed ([`SimConfig::seed`]) decides every choice; a failure names it.
@@ -27,9 +28,9 @@ pub mod sim;
 pub mod worker;
 pub mod workload;
 
+pub use self::connector::{EngineConnector, KvHandle, KvScheduler, NullConnector};
 pub use checked::{CheckedManager, ManagerCall};
 pub use config::{OutputOrder, SimConfig};
-pub use connector::{EngineConnector, KvScheduler, NullConnector};
 pub use host::{CopyDirection, CopyEngine, HostPathEngine, MemcpyEngine};
 pub use report::{SimError, SimReport};
 pub use sim::{Phase, RequestView, Sim, StepSummary};

@@ -246,7 +246,7 @@ impl Worker {
                 .copy_blocks(
                     direction,
                     env.gpu.bytes_mut(),
-                    env.host.bytes_mut(),
+                    &mut env.host.bytes_mut(),
                     &self.copies,
                 )
                 .is_ok();
@@ -356,7 +356,7 @@ mod tests {
         }
         assert_eq!(done.len(), 2);
         assert!(done.iter().all(|c| c.success));
-        let slot = fx.host.slot(SlotId(1)).to_vec();
+        let slot = fx.host.slot(SlotId(1));
         assert_eq!(slot[..8], *fx.gpu.block(BlockId(2)));
         assert_eq!(slot[8..], *fx.gpu.block(BlockId(0)));
         // Load the slot back into blocks 3 and 1; only worker 0 acts in this step.
@@ -466,7 +466,7 @@ mod tests {
             step += 1;
         }
         assert!(w.in_flight() > 0);
-        let host_before = fx.host.slot(SlotId(0)).to_vec();
+        let host_before = fx.host.slot(SlotId(0));
         let done_before = done.len();
         let reset = ConnectorMeta {
             reset_before: Some(JobId(1_000)),
@@ -477,6 +477,6 @@ mod tests {
         assert!(done[done_before..]
             .iter()
             .all(|c| c.cancelled && !c.success));
-        assert_eq!(fx.host.slot(SlotId(0)), &host_before[..]);
+        assert_eq!(fx.host.slot(SlotId(0)), host_before);
     }
 }

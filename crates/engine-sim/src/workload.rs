@@ -23,6 +23,10 @@ pub struct RequestSpec {
     pub arrival_step: u64,
     /// Shared prefix at the start of its prompt, if any.
     pub prefix: Option<SharedPrefix>,
+    /// Shared segments after the prefix, in order, each drawn like a prefix (a replayed trace's
+    /// 512-token blocks, one per hash id): equal segment lists give equal tokens.
+    #[serde(default)]
+    pub segments: Vec<SharedPrefix>,
     /// Prompt tokens of its own, after the prefix.
     pub unique_tokens: u32,
     /// Seed of its own tokens.
@@ -38,7 +42,9 @@ pub struct RequestSpec {
 impl RequestSpec {
     /// Prompt length in tokens.
     pub fn prompt_len(&self) -> u32 {
-        self.prefix.map_or(0, |p| p.tokens) + self.unique_tokens
+        self.prefix.map_or(0, |p| p.tokens)
+            + self.segments.iter().map(|s| s.tokens).sum::<u32>()
+            + self.unique_tokens
     }
 
     /// The prompt's tokens.
@@ -46,6 +52,9 @@ impl RequestSpec {
         let mut out = Vec::with_capacity(self.prompt_len() as usize);
         if let Some(p) = self.prefix {
             model::prefix_tokens(p.id, p.tokens, &mut out);
+        }
+        for s in &self.segments {
+            model::prefix_tokens(s.id, s.tokens, &mut out);
         }
         model::unique_tokens(self.seed, self.unique_tokens, &mut out);
         out
@@ -118,6 +127,7 @@ impl Workload {
             requests.push(RequestSpec {
                 arrival_step: arrival,
                 prefix: (spec.prefix_tokens > 0).then_some(prefix),
+                segments: Vec::new(),
                 unique_tokens: spec.unique_tokens
                     + rng.below(u64::from(spec.unique_jitter) + 1) as u32,
                 seed: rng.next_u64(),
@@ -129,6 +139,7 @@ impl Workload {
                 requests.push(RequestSpec {
                     arrival_step: arrival + (k + 1) * spec.arrival_gap_steps / (per + 1),
                     prefix: None,
+                    segments: Vec::new(),
                     unique_tokens: spec.background_tokens,
                     seed: rng.next_u64(),
                     max_tokens: spec.background_max_tokens,

@@ -27,7 +27,7 @@ pub use request::{Phase, RequestView};
 
 use crate::checked::CheckedManager;
 use crate::config::SimConfig;
-use crate::connector::{EngineConnector, KvScheduler};
+use crate::connector::{EngineConnector, KvHandle, KvScheduler};
 use crate::gpu::{BlockPool, GpuMemory};
 use crate::host::{default_copy_engine, CopyEngine, CopyGeometry, HostMemory};
 use crate::model::KvModel;
@@ -35,7 +35,11 @@ use crate::report::{SimError, SimReport};
 use crate::rng::SplitMix64;
 use crate::worker::Worker;
 use crate::workload::Workload;
+use ::connector::{AsTiering, SchedulerHandle, TieringManager, TieringOptions};
+use offload_core::tier::Tier;
+use offload_core::SlotMemory;
 use request::Req;
+use std::sync::Arc;
 
 /// What one step did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -161,7 +165,83 @@ impl<M: OffloadManager> Sim<KvScheduler<M>> {
     }
 }
 
+impl<M: AsTiering> Sim<KvHandle<M>> {
+    /// A simulation on the connector's scheduler handle over `manager` (wrapped in a
+    /// [`CheckedManager`]), whose secondary tiers read and write `host` (build them over
+    /// [`HostMemory::slot_memory`]); `host` must have `config`'s slot count and slot size.
+    pub fn with_handle(
+        config: SimConfig,
+        workload: Workload,
+        manager: M,
+        host: HostMemory,
+    ) -> Result<Self, SimError> {
+        config.validate()?;
+        let checked = CheckedManager::new(manager, config.strict, config.call_log_max);
+        let handle = SchedulerHandle::new(config.scheduler_config(), checked)?;
+        Sim::with_connector_and_host(config, workload, handle, host)
+    }
+
+    /// The connector's scheduler handle.
+    pub fn handle(&self) -> &KvHandle<M> {
+        &self.connector
+    }
+
+    /// The connector's scheduler handle, for direct calls.
+    pub fn handle_mut(&mut self) -> &mut KvHandle<M> {
+        &mut self.connector
+    }
+}
+
+impl Sim<KvHandle<TieringManager>> {
+    /// A simulation on a [`TieringManager`] over a host pool sized by `config` and the secondary
+    /// tiers `tiers` builds over the host pool's bytes (tried in that order on a host miss).
+    pub fn with_tiers(
+        config: SimConfig,
+        workload: Workload,
+        tiers: impl FnOnce(Arc<dyn SlotMemory>) -> Vec<Box<dyn Tier>>,
+    ) -> Result<Self, SimError> {
+        config.validate()?;
+        let host = HostMemory::new(config.host_slots, config.slot_bytes());
+        let pool = HostPool::with_strictness(config.pool_config(), config.strict)?;
+        let options = TieringOptions {
+            strict: config.strict,
+            ..TieringOptions::new(config.slot_bytes() as u32)
+        };
+        let manager = TieringManager::new(pool, tiers(host.slot_memory()), options)?;
+        Self::with_handle(config, workload, manager, host)
+    }
+}
+
 impl<C: EngineConnector> Sim<C> {
+    /// A simulation of `workload` on a connector whose tiers share `host` with the workers.
+    pub fn with_connector_and_host(
+        config: SimConfig,
+        workload: Workload,
+        connector: C,
+        host: HostMemory,
+    ) -> Result<Self, SimError> {
+        if host.slot_count() != config.host_slots || host.slot_bytes() != config.slot_bytes() {
+            return Err(SimError::InvalidConfig {
+                field: "host_slots",
+                reason: format!(
+                    "host memory has {} slots of {} bytes, the config {} of {}",
+                    host.slot_count(),
+                    host.slot_bytes(),
+                    config.host_slots,
+                    config.slot_bytes()
+                ),
+            });
+        }
+        let mut sim = Self::with_connector(config, workload, connector)?;
+        sim.host = host;
+        Ok(sim)
+    }
+
+    /// The host pool's bytes (shared with the secondary tiers).
+    pub fn host_memory(&self) -> &HostMemory {
+        &self.host
+    }
+
     /// A simulation of `workload` on any connector.
     pub fn with_connector(
         config: SimConfig,
