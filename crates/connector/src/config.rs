@@ -1,0 +1,650 @@
+//! Configuration from a TOML or JSON file, with the reference's keys (`cpu_bytes_to_use`,
+//! `block_size` or `blocks_per_chunk`, `eviction_policy`, `offload_prompt_only`,
+//! `secondary_tiers`), checked against the engine's geometry ([`EngineGeometry`]) into a
+//! [`ResolvedConfig`], from which [`ResolvedConfig::build_manager`] builds the tiering manager
+//! and its tiers.
+//!
+//! Unknown keys are refused (by serde, naming the key); contradictory keys and impossible sizes
+//! are refused by [`ConnectorConfig::resolve`] with a [`ConfigError`] that names the key.
+//!
+//! ```
+//! use connector::config::{ConnectorConfig, EngineGeometry};
+//!
+//! let config = ConnectorConfig::from_toml_str(r#"
+//!     cpu_bytes_to_use = 1073741824
+//!     block_size = 64
+//!     eviction_policy = "arc"
+//!     offload_prompt_only = false
+//!     secondary_tiers = [{ type = "fs", root_dir = "/tmp/kv", capacity_bytes = 4294967296 }]
+//! "#).unwrap();
+//! let engine = EngineGeometry::new("my-model", 16, 1 << 16);
+//! let resolved = config.resolve(&engine).unwrap();
+//! assert_eq!(resolved.scheduler.blocks_per_chunk, 4);
+//! assert_eq!(resolved.pool.slot_count, 4096);
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use offload_core::pool::SLOT_COUNT_MAX;
+use offload_core::tier::Tier;
+use offload_core::{
+    EvictionPolicy, HostPool, OffloadPolicy, PoolConfig, SchedulerConfig, SlotMemory,
+};
+use serde::Deserialize;
+
+use crate::tiering::{TieringManager, TieringOptions, TIERS_MAX};
+
+/// A configuration problem, naming the key (or the file) that was wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The text is not valid TOML or JSON for this schema (an unknown key, a wrong type, a
+    /// missing key); the message names the key and, for TOML, its line.
+    #[error("invalid {format} config: {message}")]
+    Parse {
+        /// `"TOML"` or `"JSON"`.
+        format: &'static str,
+        /// The parser's message.
+        message: String,
+    },
+    /// A value is out of range or contradicts another.
+    #[error("invalid config `{key}`: {reason}")]
+    Invalid {
+        /// The key (with its position for tier entries, like `secondary_tiers[1].root_dir`).
+        key: String,
+        /// Why.
+        reason: String,
+    },
+    /// A tier could not be started.
+    #[error("cannot start `{key}`: {reason}")]
+    Tier {
+        /// The tier's entry, like `secondary_tiers[0]`.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn invalid(key: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Which eviction policy the host pool uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EvictionName {
+    /// Least recently used.
+    #[default]
+    Lru,
+    /// Adaptive replacement cache.
+    Arc,
+}
+
+/// When a request's chunks are stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OffloadPolicyName {
+    /// Each chunk as soon as its KV is written.
+    #[default]
+    Block,
+    /// All chunks when the request finishes.
+    Request,
+}
+
+/// A disk tier entry (`type = "fs"`).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FsTierSpec {
+    /// The directory the tier keeps its files under.
+    pub root_dir: PathBuf,
+    /// Most bytes of chunk files it keeps.
+    pub capacity_bytes: u64,
+    /// fsync each stored chunk (default false).
+    #[serde(default)]
+    pub fsync: bool,
+    /// Use O_DIRECT where the file system takes it (default true).
+    #[serde(default = "yes")]
+    pub direct_io: bool,
+    /// Other instances write the same directory (default false).
+    #[serde(default)]
+    pub shared_dir: bool,
+    /// Worker threads (default 4).
+    #[serde(default)]
+    pub workers: Option<usize>,
+    /// `"auto"` (default), `"uring"` or `"sync"`.
+    #[serde(default)]
+    pub engine: Option<String>,
+}
+
+/// A peer tier entry (`type = "p2p"`).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct P2pTierSpec {
+    /// Where to serve published chunks (default `127.0.0.1:0`).
+    #[serde(default)]
+    pub listen: Option<String>,
+    /// The peers to fetch from, as `host:port`.
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// A file holding the shared secret (at least 16 bytes); required beyond loopback.
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+    /// Bytes of published chunks kept to serve (default 256 MiB).
+    #[serde(default)]
+    pub published_bytes_max: Option<usize>,
+    /// How long a lookup may answer "retry" (default 500 ms).
+    #[serde(default)]
+    pub lookup_deadline_ms: Option<u64>,
+    /// Deadline of one fetch (default 5000 ms).
+    #[serde(default)]
+    pub fetch_deadline_ms: Option<u64>,
+}
+
+/// One `secondary_tiers` entry.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(tag = "type")]
+pub enum TierSpec {
+    /// The disk tier.
+    #[serde(rename = "fs")]
+    Fs(FsTierSpec),
+    /// The peer tier.
+    #[serde(rename = "p2p")]
+    P2p(P2pTierSpec),
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The file's contents, as parsed (not yet checked against the engine).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectorConfig {
+    /// Bytes of host memory for the host pool (rounded down to whole slots).
+    pub cpu_bytes_to_use: u64,
+    /// Tokens per chunk (a multiple of the engine's block size). Exclusive with
+    /// `blocks_per_chunk`.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// Engine blocks per chunk. Exclusive with `block_size`.
+    #[serde(default)]
+    pub blocks_per_chunk: Option<u32>,
+    /// `"lru"` (default) or `"arc"`.
+    #[serde(default)]
+    pub eviction_policy: EvictionName,
+    /// Offload only the prompt's KV (default false).
+    #[serde(default)]
+    pub offload_prompt_only: bool,
+    /// `"block"` (default) or `"request"`.
+    #[serde(default)]
+    pub offload_policy: OffloadPolicyName,
+    /// Store a chunk only once it was looked up this many times (default 0: always).
+    #[serde(default)]
+    pub reuse_threshold: u32,
+    /// A promotion in flight longer than this is cancelled (default 10000 ms).
+    #[serde(default)]
+    pub promotion_deadline_ms: Option<u64>,
+    /// Secondary tiers, tried in this order on a host-pool miss.
+    #[serde(default)]
+    pub secondary_tiers: Vec<TierSpec>,
+}
+
+/// What the engine knows and the file does not: its model, KV geometry and parallel layout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineGeometry {
+    /// The model's name (keeps different models' chunks apart on disk and between peers).
+    pub model: String,
+    /// The KV element type (for example `"bfloat16"`).
+    pub dtype: String,
+    /// Tokens per engine block.
+    pub tokens_per_block: u32,
+    /// Bytes of one engine block in the host pool (every layer, every worker's shard).
+    pub block_bytes: u64,
+    /// Workers (tensor-parallel ranks) that acknowledge every job.
+    pub worker_count: u32,
+    /// The parallel layout (for example `"tp4"`).
+    pub parallel_layout: String,
+    /// Seed of the engine's prefix hash (peers must share it).
+    pub hash_seed: u64,
+}
+
+impl EngineGeometry {
+    /// One worker, `bfloat16`, layout `"tp1"`, hash seed 0.
+    pub fn new(model: &str, tokens_per_block: u32, block_bytes: u64) -> Self {
+        Self {
+            model: model.to_owned(),
+            dtype: "bfloat16".to_owned(),
+            tokens_per_block,
+            block_bytes,
+            worker_count: 1,
+            parallel_layout: "tp1".to_owned(),
+            hash_seed: 0,
+        }
+    }
+}
+
+/// A checked configuration: everything needed to build the scheduler, the host pool and the
+/// tiers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResolvedConfig {
+    /// The scheduler's settings.
+    pub scheduler: SchedulerConfig,
+    /// The host pool's settings.
+    pub pool: PoolConfig,
+    /// Bytes per host slot (one chunk).
+    pub slot_bytes: u32,
+    /// The promotion deadline in nanoseconds.
+    pub promotion_deadline_ns: u64,
+    /// The secondary tiers, checked.
+    pub tiers: Vec<TierSpec>,
+    /// The engine's geometry.
+    pub engine: EngineGeometry,
+}
+
+impl ConnectorConfig {
+    /// Parses TOML.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse {
+            format: "TOML",
+            message: e.to_string(),
+        })
+    }
+
+    /// Parses JSON.
+    pub fn from_json_str(text: &str) -> Result<Self, ConfigError> {
+        serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+            format: "JSON",
+            message: e.to_string(),
+        })
+    }
+
+    /// Reads a `.toml` or `.json` file (by its extension).
+    pub fn from_path(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        match path.extension().and_then(|e| e.to_str()) {
+            Some("toml") => Self::from_toml_str(&text),
+            Some("json") => Self::from_json_str(&text),
+            _ => Err(invalid(
+                path.display().to_string(),
+                "the config file must end in .toml or .json",
+            )),
+        }
+    }
+
+    /// Checks the configuration against the engine; the error names the first wrong key.
+    pub fn resolve(&self, engine: &EngineGeometry) -> Result<ResolvedConfig, ConfigError> {
+        let tpb = engine.tokens_per_block;
+        if tpb == 0 {
+            return Err(invalid("tokens_per_block", "the engine's block size is 0"));
+        }
+        let blocks_per_chunk = match (self.block_size, self.blocks_per_chunk) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "block_size",
+                    "give `block_size` (tokens per chunk) or `blocks_per_chunk`, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(invalid(
+                    "block_size",
+                    "one of `block_size` (tokens per chunk) or `blocks_per_chunk` is required",
+                ))
+            }
+            (Some(tokens), None) => {
+                if tokens == 0 || tokens % tpb != 0 {
+                    return Err(invalid(
+                        "block_size",
+                        format!(
+                            "{tokens} tokens is not a positive multiple of the engine's block \
+                             size ({tpb} tokens)"
+                        ),
+                    ));
+                }
+                tokens / tpb
+            }
+            (None, Some(0)) => return Err(invalid("blocks_per_chunk", "must be at least 1")),
+            (None, Some(n)) => n,
+        };
+        let slot_bytes = u64::from(blocks_per_chunk)
+            .checked_mul(engine.block_bytes)
+            .filter(|&b| b > 0 && b <= u64::from(u32::MAX))
+            .ok_or_else(|| {
+                invalid(
+                    if self.block_size.is_some() {
+                        "block_size"
+                    } else {
+                        "blocks_per_chunk"
+                    },
+                    format!(
+                        "a chunk of {blocks_per_chunk} blocks of {} bytes must be between 1 byte \
+                         and 4 GiB",
+                        engine.block_bytes
+                    ),
+                )
+            })?;
+        let slot_count = self.cpu_bytes_to_use / slot_bytes;
+        if slot_count == 0 {
+            return Err(invalid(
+                "cpu_bytes_to_use",
+                format!(
+                    "{} bytes is less than one chunk ({slot_bytes} bytes)",
+                    self.cpu_bytes_to_use
+                ),
+            ));
+        }
+        if slot_count > u64::from(SLOT_COUNT_MAX) {
+            return Err(invalid(
+                "cpu_bytes_to_use",
+                format!("{slot_count} chunks, more than the pool's {SLOT_COUNT_MAX}"),
+            ));
+        }
+        if self.reuse_threshold > offload_core::pool::REUSE_THRESHOLD_MAX {
+            return Err(invalid(
+                "reuse_threshold",
+                format!("at most {}", offload_core::pool::REUSE_THRESHOLD_MAX),
+            ));
+        }
+        if self.promotion_deadline_ms == Some(0) {
+            return Err(invalid("promotion_deadline_ms", "must be at least 1"));
+        }
+        if self.secondary_tiers.len() > TIERS_MAX {
+            return Err(invalid(
+                "secondary_tiers",
+                format!("{} tiers, at most {TIERS_MAX}", self.secondary_tiers.len()),
+            ));
+        }
+        for (i, tier) in self.secondary_tiers.iter().enumerate() {
+            check_tier(i, tier, slot_bytes)?;
+        }
+        let scheduler = SchedulerConfig {
+            tokens_per_block: tpb,
+            blocks_per_chunk,
+            offload_prompt_only: self.offload_prompt_only,
+            policy: match self.offload_policy {
+                OffloadPolicyName::Block => OffloadPolicy::Block,
+                OffloadPolicyName::Request => OffloadPolicy::Request,
+            },
+            worker_count: engine.worker_count,
+            ..SchedulerConfig::default()
+        };
+        if engine.worker_count == 0 || engine.worker_count > 64 {
+            return Err(invalid(
+                "worker_count",
+                "the engine must have 1 to 64 workers",
+            ));
+        }
+        let pool = PoolConfig {
+            slot_count: slot_count as u32,
+            policy: match self.eviction_policy {
+                EvictionName::Lru => EvictionPolicy::Lru,
+                EvictionName::Arc => EvictionPolicy::Arc,
+            },
+            reuse_threshold: self.reuse_threshold,
+            events: true,
+        };
+        Ok(ResolvedConfig {
+            scheduler,
+            pool,
+            slot_bytes: slot_bytes as u32,
+            promotion_deadline_ns: self.promotion_deadline_ms.unwrap_or(10_000) * 1_000_000,
+            tiers: self.secondary_tiers.clone(),
+            engine: engine.clone(),
+        })
+    }
+}
+
+fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigError> {
+    let key = |field: &str| format!("secondary_tiers[{i}].{field}");
+    match tier {
+        TierSpec::Fs(fs) => {
+            if fs.root_dir.as_os_str().is_empty() {
+                return Err(invalid(key("root_dir"), "must not be empty"));
+            }
+            if fs.capacity_bytes < slot_bytes {
+                return Err(invalid(
+                    key("capacity_bytes"),
+                    format!(
+                        "{} bytes is less than one chunk ({slot_bytes} bytes)",
+                        fs.capacity_bytes
+                    ),
+                ));
+            }
+            if fs.workers == Some(0) {
+                return Err(invalid(key("workers"), "must be at least 1"));
+            }
+            if let Some(engine) = &fs.engine {
+                if !matches!(engine.as_str(), "auto" | "uring" | "sync") {
+                    return Err(invalid(
+                        key("engine"),
+                        format!("{engine:?}; expected \"auto\", \"uring\" or \"sync\""),
+                    ));
+                }
+            }
+        }
+        TierSpec::P2p(p2p) => {
+            if let Some(listen) = &p2p.listen {
+                listen.parse::<SocketAddr>().map_err(|e| {
+                    invalid(key("listen"), format!("{listen:?} is not host:port ({e})"))
+                })?;
+            }
+            for (j, peer) in p2p.peers.iter().enumerate() {
+                peer.parse::<SocketAddr>().map_err(|e| {
+                    invalid(
+                        key(&format!("peers[{j}]")),
+                        format!("{peer:?} is not host:port ({e})"),
+                    )
+                })?;
+            }
+            for (field, v) in [
+                ("lookup_deadline_ms", p2p.lookup_deadline_ms),
+                ("fetch_deadline_ms", p2p.fetch_deadline_ms),
+            ] {
+                if v == Some(0) {
+                    return Err(invalid(key(field), "must be at least 1"));
+                }
+            }
+            if p2p
+                .published_bytes_max
+                .is_some_and(|b| (b as u64) < slot_bytes)
+            {
+                return Err(invalid(
+                    key("published_bytes_max"),
+                    format!("less than one chunk ({slot_bytes} bytes)"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl ResolvedConfig {
+    /// Starts every secondary tier over the host pool's bytes `memory` and builds the tiering
+    /// manager (strict: panic on a broken bookkeeping invariant). A tier whose Cargo feature is
+    /// not compiled in is an error naming its entry.
+    pub fn build_manager(
+        &self,
+        memory: Arc<dyn SlotMemory>,
+        strict: bool,
+    ) -> Result<TieringManager, ConfigError> {
+        if memory.slot_bytes() != self.slot_bytes as usize
+            || memory.slot_count() != self.pool.slot_count
+        {
+            return Err(invalid(
+                "cpu_bytes_to_use",
+                format!(
+                    "the host memory has {} slots of {} bytes, the config {} of {}",
+                    memory.slot_count(),
+                    memory.slot_bytes(),
+                    self.pool.slot_count,
+                    self.slot_bytes
+                ),
+            ));
+        }
+        let mut tiers = Vec::with_capacity(self.tiers.len());
+        for (i, spec) in self.tiers.iter().enumerate() {
+            tiers.push(self.start_tier(i, spec, Arc::clone(&memory))?);
+        }
+        let pool = HostPool::with_strictness(self.pool, strict)
+            .map_err(|e| invalid("pool", e.to_string()))?;
+        let options = TieringOptions {
+            strict,
+            promotion_deadline_ns: self.promotion_deadline_ns,
+            ..TieringOptions::new(self.slot_bytes)
+        };
+        TieringManager::new(pool, tiers, options)
+            .map_err(|e| invalid("secondary_tiers", e.to_string()))
+    }
+
+    fn start_tier(
+        &self,
+        i: usize,
+        spec: &TierSpec,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        let key = format!("secondary_tiers[{i}]");
+        match spec {
+            TierSpec::Fs(fs) => self.start_fs(key, fs, memory),
+            TierSpec::P2p(p2p) => self.start_p2p(key, p2p, memory),
+        }
+    }
+
+    #[cfg(feature = "fs")]
+    fn start_fs(
+        &self,
+        key: String,
+        spec: &FsTierSpec,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        use tier_fs::{Durability, EngineChoice, FsTierConfig, NamespaceId};
+        let e = &self.engine;
+        let namespace = NamespaceId {
+            model: e.model.clone(),
+            dtype: e.dtype.clone(),
+            tokens_per_chunk: self.scheduler.tokens_per_block * self.scheduler.blocks_per_chunk,
+            parallel_layout: e.parallel_layout.clone(),
+        };
+        let defaults = FsTierConfig::new(&spec.root_dir, namespace, spec.capacity_bytes);
+        let config = FsTierConfig {
+            durability: if spec.fsync {
+                Durability::Fsync
+            } else {
+                Durability::None
+            },
+            direct_io: spec.direct_io,
+            shared_dir: spec.shared_dir,
+            workers: spec.workers.unwrap_or(defaults.workers),
+            engine: match spec.engine.as_deref() {
+                Some("uring") => EngineChoice::Uring,
+                Some("sync") => EngineChoice::Sync,
+                _ => EngineChoice::Auto,
+            },
+            ..defaults
+        };
+        let tier = tier_fs::FsTier::start(config, memory).map_err(|e| ConfigError::Tier {
+            key,
+            reason: e.to_string(),
+        })?;
+        Ok(Box::new(tier))
+    }
+
+    #[cfg(not(feature = "fs"))]
+    fn start_fs(
+        &self,
+        key: String,
+        _: &FsTierSpec,
+        _: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        Err(ConfigError::Tier {
+            key,
+            reason: "this build has no disk tier (enable the connector's `fs` feature)".to_owned(),
+        })
+    }
+
+    #[cfg(feature = "p2p")]
+    fn start_p2p(
+        &self,
+        key: String,
+        spec: &P2pTierSpec,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        use std::time::Duration;
+        use tier_p2p::{Namespace, P2pConfig};
+        let e = &self.engine;
+        let layout = format!(
+            "{} {} tokens/chunk {} {} bytes/block",
+            e.dtype,
+            self.scheduler.tokens_per_block * self.scheduler.blocks_per_chunk,
+            e.parallel_layout,
+            e.block_bytes
+        );
+        let defaults = P2pConfig::new(Namespace::new(&e.model, &layout, e.hash_seed));
+        let bad = |field: &str, reason: String| invalid(format!("{key}.{field}"), reason);
+        let listen = match &spec.listen {
+            Some(l) => l
+                .parse()
+                .map_err(|err| bad("listen", format!("{l:?}: {err}")))?,
+            None => defaults.listen,
+        };
+        let mut peers = Vec::with_capacity(spec.peers.len());
+        for p in &spec.peers {
+            peers.push(
+                p.parse()
+                    .map_err(|err| bad("peers", format!("{p:?}: {err}")))?,
+            );
+        }
+        let secret = match &spec.secret_file {
+            Some(path) => Some(std::fs::read(path).map_err(|err| {
+                bad(
+                    "secret_file",
+                    format!("cannot read {}: {err}", path.display()),
+                )
+            })?),
+            None => None,
+        };
+        let ms = |v: Option<u64>, d: Duration| v.map_or(d, Duration::from_millis);
+        let config = P2pConfig {
+            listen,
+            peers,
+            secret,
+            published_bytes_max: spec
+                .published_bytes_max
+                .unwrap_or(defaults.published_bytes_max),
+            lookup_deadline: ms(spec.lookup_deadline_ms, defaults.lookup_deadline),
+            fetch_deadline: ms(spec.fetch_deadline_ms, defaults.fetch_deadline),
+            ..defaults
+        };
+        let tier = tier_p2p::P2pTier::new(config, memory).map_err(|e| ConfigError::Tier {
+            key,
+            reason: e.to_string(),
+        })?;
+        Ok(Box::new(tier))
+    }
+
+    #[cfg(not(feature = "p2p"))]
+    fn start_p2p(
+        &self,
+        key: String,
+        _: &P2pTierSpec,
+        _: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        Err(ConfigError::Tier {
+            key,
+            reason: "this build has no peer tier (enable the connector's `p2p` feature)".to_owned(),
+        })
+    }
+}

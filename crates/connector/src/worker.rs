@@ -1,0 +1,195 @@
+//! [`WorkerHandle`]: what each engine worker (tensor-parallel rank) embeds. It executes the
+//! scheduler side's [`ConnectorMeta`] on a tier-gpu [`TransferEngine`] (the CUDA engine, or the
+//! host path for engines whose KV cache lives in host memory) and reports every job exactly once
+//! in a [`WorkerOutput`].
+//!
+//! Per step, in the meta's order (design.md section 4, item 14): [`WorkerHandle::before_compute`]
+//! finishes every job older than a reset, waits for the stores to flush, and starts the loads;
+//! the engine runs its forward pass; [`WorkerHandle::after_compute`] starts the stores (their
+//! source blocks are now written); [`WorkerHandle::take_output`] reports what completed.
+
+use std::collections::VecDeque;
+
+use offload_core::{ConnectorMeta, Job, JobAck, JobId, WorkerOutput};
+use tier_gpu::{TransferDone, TransferEngine, TransferError};
+
+/// Counters of one worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerCounters {
+    /// Jobs submitted to the transfer engine.
+    pub jobs_submitted: u64,
+    /// Jobs that completed successfully.
+    pub jobs_ok: u64,
+    /// Jobs that failed (copy failure, refused as not fitting the layout, engine unavailable).
+    pub jobs_failed: u64,
+    /// Submits refused as busy (retried on the next call).
+    pub submits_busy: u64,
+    /// Stores waited for because the meta flushed them.
+    pub flushes: u64,
+}
+
+/// One worker's side of kvtier over a transfer engine `E`.
+pub struct WorkerHandle<E> {
+    rank: u32,
+    engine: E,
+    /// Jobs refused as busy, in order; submitted before anything newer.
+    queued: VecDeque<Job>,
+    acks: Vec<JobAck>,
+    done: Vec<TransferDone>,
+    counters: WorkerCounters,
+}
+
+impl<E: TransferEngine> WorkerHandle<E> {
+    /// Worker `rank` over `engine`.
+    pub fn new(rank: u32, engine: E) -> Self {
+        Self {
+            rank,
+            engine,
+            queued: VecDeque::new(),
+            acks: Vec::new(),
+            done: Vec::new(),
+            counters: WorkerCounters::default(),
+        }
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> WorkerCounters {
+        self.counters
+    }
+
+    /// The transfer engine.
+    pub fn engine(&self) -> &E {
+        &self.engine
+    }
+
+    /// Before the step's compute: completes every job older than `meta.reset_before` (their
+    /// acknowledgements are still sent; the scheduler ignores them), waits for the stores named
+    /// in `meta.flush`, and starts `meta.loads`.
+    pub fn before_compute(&mut self, meta: &ConnectorMeta) {
+        if meta.reset_before.is_some() {
+            self.submit_queued();
+            self.engine.drain();
+        }
+        for &job in &meta.flush {
+            self.counters.flushes += 1;
+            self.submit_through(job);
+            self.engine.wait(job);
+        }
+        for job in &meta.loads {
+            self.submit(job.clone());
+        }
+        self.reap();
+    }
+
+    /// After the step's compute wrote their source blocks: starts `meta.stores`.
+    pub fn after_compute(&mut self, meta: &ConnectorMeta) {
+        for job in &meta.stores {
+            self.submit(job.clone());
+        }
+        self.reap();
+    }
+
+    /// The jobs completed since the last call, each exactly once.
+    pub fn take_output(&mut self) -> WorkerOutput {
+        self.reap();
+        self.submit_queued();
+        WorkerOutput {
+            worker: self.rank,
+            acks: std::mem::take(&mut self.acks),
+        }
+    }
+
+    /// Blocks until every job was submitted and completed (shutdown, tests); the completions
+    /// are reported by the next [`WorkerHandle::take_output`].
+    pub fn drain(&mut self) {
+        while !self.queued.is_empty() {
+            self.engine.drain();
+            self.submit_queued();
+        }
+        self.engine.drain();
+        self.reap();
+    }
+
+    /// Submits queued jobs in order until `job` went out (for a flush).
+    fn submit_through(&mut self, job: JobId) {
+        if !self.queued.iter().any(|j| j.id == job) {
+            return;
+        }
+        while let Some(next) = self.queued.front().map(|j| j.id) {
+            if !self.try_submit_front() {
+                // Busy: make room by finishing what is in flight.
+                self.engine.drain();
+                self.reap();
+                continue;
+            }
+            if next == job {
+                break;
+            }
+        }
+    }
+
+    fn submit(&mut self, job: Job) {
+        self.queued.push_back(job);
+        self.submit_queued();
+    }
+
+    fn submit_queued(&mut self) {
+        while !self.queued.is_empty() {
+            if !self.try_submit_front() {
+                self.reap();
+                if !self.try_submit_front() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Submits the first queued job; `false` if the engine is busy (the job stays queued).
+    fn try_submit_front(&mut self) -> bool {
+        let Some(job) = self.queued.front() else {
+            return true;
+        };
+        match self.engine.submit(job) {
+            Ok(()) => {
+                self.counters.jobs_submitted += 1;
+                self.queued.pop_front();
+                true
+            }
+            Err(TransferError::Busy { .. }) => {
+                self.counters.submits_busy += 1;
+                false
+            }
+            Err(_) => {
+                // Refused for good: the job still completes exactly once, with failure.
+                let id = job.id;
+                self.queued.pop_front();
+                self.counters.jobs_failed += 1;
+                self.acks.push(JobAck {
+                    job: id,
+                    success: false,
+                });
+                true
+            }
+        }
+    }
+
+    fn reap(&mut self) {
+        self.engine.poll(&mut self.done);
+        for d in self.done.drain(..) {
+            if d.success {
+                self.counters.jobs_ok += 1;
+            } else {
+                self.counters.jobs_failed += 1;
+            }
+            self.acks.push(JobAck {
+                job: d.job,
+                success: d.success,
+            });
+        }
+    }
+}

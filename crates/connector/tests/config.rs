@@ -1,0 +1,202 @@
+//! Configuration files: the reference's keys parse from TOML and JSON alike; unknown keys,
+//! contradictory keys and impossible sizes are errors that name the key.
+
+use connector::config::{ConfigError, ConnectorConfig, EngineGeometry, TierSpec};
+use offload_core::EvictionPolicy;
+
+fn engine() -> EngineGeometry {
+    EngineGeometry::new("m", 16, 4096)
+}
+
+const GOOD: &str = r#"
+cpu_bytes_to_use = 1048576
+block_size = 64
+eviction_policy = "arc"
+offload_prompt_only = true
+secondary_tiers = [
+  { type = "fs", root_dir = "/tmp/x", capacity_bytes = 1048576 },
+  { type = "p2p", peers = ["127.0.0.1:7000"] },
+]
+"#;
+
+/// The message of a parse or resolve error.
+fn error(text: &str) -> String {
+    match ConnectorConfig::from_toml_str(text).and_then(|c| c.resolve(&engine())) {
+        Ok(r) => panic!("accepted: {r:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn invalid_key(text: &str) -> String {
+    match ConnectorConfig::from_toml_str(text).and_then(|c| c.resolve(&engine())) {
+        Err(ConfigError::Invalid { key, .. }) => key,
+        other => panic!("expected an invalid key, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_reference_keys_resolve() {
+    let r = ConnectorConfig::from_toml_str(GOOD)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    assert_eq!(r.scheduler.blocks_per_chunk, 4);
+    assert!(r.scheduler.offload_prompt_only);
+    assert_eq!(r.slot_bytes, 4 * 4096);
+    assert_eq!(r.pool.slot_count, 1048576 / (4 * 4096));
+    assert_eq!(r.pool.policy, EvictionPolicy::Arc);
+    assert!(matches!(r.tiers[0], TierSpec::Fs(_)));
+    assert!(matches!(r.tiers[1], TierSpec::P2p(_)));
+}
+
+#[test]
+fn json_and_toml_give_the_same_config() {
+    let json = r#"{"cpu_bytes_to_use": 1048576, "block_size": 64, "eviction_policy": "arc",
+        "offload_prompt_only": true, "secondary_tiers": [
+        {"type": "fs", "root_dir": "/tmp/x", "capacity_bytes": 1048576},
+        {"type": "p2p", "peers": ["127.0.0.1:7000"]}]}"#;
+    assert_eq!(
+        ConnectorConfig::from_json_str(json).expect("json"),
+        ConnectorConfig::from_toml_str(GOOD).expect("toml")
+    );
+}
+
+#[test]
+fn unknown_keys_are_named() {
+    let msg = error("cpu_bytes_to_use = 1048576\nblock_size = 64\ncpu_bytes = 5\n");
+    assert!(msg.contains("unknown field `cpu_bytes`"), "{msg}");
+    let msg = error(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"fs\", \
+         root_dir = \"/x\", capacity_bytes = 1048576, rootdir = \"/y\" }]\n",
+    );
+    assert!(msg.contains("rootdir"), "{msg}");
+    let json = ConnectorConfig::from_json_str(r#"{"cpu_bytes_to_use": 1, "colour": 2}"#);
+    let msg = json.map(|_| ()).expect_err("unknown key").to_string();
+    assert!(msg.contains("unknown field `colour`"), "{msg}");
+}
+
+#[test]
+fn unknown_tier_types_and_policies_are_named() {
+    let msg = error(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"s3\" }]\n",
+    );
+    assert!(msg.contains("s3"), "{msg}");
+    let msg = error("cpu_bytes_to_use = 1048576\nblock_size = 64\neviction_policy = \"fifo\"\n");
+    assert!(msg.contains("fifo") && msg.contains("lru"), "{msg}");
+}
+
+#[test]
+fn block_size_and_blocks_per_chunk_are_exclusive_and_one_is_required() {
+    assert_eq!(
+        invalid_key("cpu_bytes_to_use = 1048576\nblock_size = 64\nblocks_per_chunk = 4\n"),
+        "block_size"
+    );
+    assert_eq!(invalid_key("cpu_bytes_to_use = 1048576\n"), "block_size");
+    let r = ConnectorConfig::from_toml_str("cpu_bytes_to_use = 1048576\nblocks_per_chunk = 2\n")
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    assert_eq!(r.scheduler.blocks_per_chunk, 2);
+}
+
+#[test]
+fn impossible_sizes_are_named() {
+    // Not a multiple of the engine's 16-token blocks.
+    assert_eq!(
+        invalid_key("cpu_bytes_to_use = 1048576\nblock_size = 40\n"),
+        "block_size"
+    );
+    assert_eq!(
+        invalid_key("cpu_bytes_to_use = 1048576\nblock_size = 0\n"),
+        "block_size"
+    );
+    assert_eq!(
+        invalid_key("cpu_bytes_to_use = 1048576\nblocks_per_chunk = 0\n"),
+        "blocks_per_chunk"
+    );
+    // Less than one chunk of host memory.
+    assert_eq!(
+        invalid_key("cpu_bytes_to_use = 100\nblock_size = 64\n"),
+        "cpu_bytes_to_use"
+    );
+    // More slots than the pool can index.
+    assert_eq!(
+        invalid_key("cpu_bytes_to_use = 9223372036854775807\nblocks_per_chunk = 1\n"),
+        "cpu_bytes_to_use"
+    );
+    assert_eq!(
+        invalid_key(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"fs\", \
+             root_dir = \"/x\", capacity_bytes = 10 }]\n"
+        ),
+        "secondary_tiers[0].capacity_bytes"
+    );
+}
+
+#[test]
+fn bad_tier_values_are_named_with_their_position() {
+    assert_eq!(
+        invalid_key(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"fs\", \
+             root_dir = \"/x\", capacity_bytes = 1048576 }, { type = \"p2p\", peers = [\"nope\"] }]\n"
+        ),
+        "secondary_tiers[1].peers[0]"
+    );
+    assert_eq!(
+        invalid_key(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"fs\", \
+             root_dir = \"\", capacity_bytes = 1048576 }]\n"
+        ),
+        "secondary_tiers[0].root_dir"
+    );
+    assert_eq!(
+        invalid_key(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"p2p\", \
+             fetch_deadline_ms = 0 }]\n"
+        ),
+        "secondary_tiers[0].fetch_deadline_ms"
+    );
+}
+
+#[test]
+fn files_are_read_by_extension() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let toml_path = dir.path().join("kv.toml");
+    std::fs::write(&toml_path, GOOD).expect("write");
+    assert!(ConnectorConfig::from_path(&toml_path).is_ok());
+    let other = dir.path().join("kv.yaml");
+    std::fs::write(&other, GOOD).expect("write");
+    let msg = ConnectorConfig::from_path(&other)
+        .map(|_| ())
+        .expect_err("wrong extension")
+        .to_string();
+    assert!(msg.contains(".toml or .json"), "{msg}");
+    let missing = ConnectorConfig::from_path(&dir.path().join("none.toml"));
+    assert!(matches!(missing, Err(ConfigError::Read { .. })));
+}
+
+#[cfg(feature = "fs")]
+#[test]
+fn a_resolved_config_starts_its_disk_tier() {
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let text = format!(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{{ type = \"fs\", \
+         root_dir = {:?}, capacity_bytes = 1048576 }}]\n",
+        dir.path().display().to_string()
+    );
+    let resolved = ConnectorConfig::from_toml_str(&text)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let memory = Arc::new(tier_testkit::VecSlotMemory::new(
+        resolved.pool.slot_count,
+        resolved.slot_bytes as usize,
+    ));
+    let manager = resolved.build_manager(memory, true).expect("starts");
+    assert_eq!(manager.tier_count(), 1);
+    assert_eq!(manager.tier_name(0), Some("fs"));
+    // The wrong memory is refused, naming the key.
+    let small = Arc::new(tier_testkit::VecSlotMemory::new(1, 16));
+    assert!(matches!(
+        resolved.build_manager(small, true),
+        Err(ConfigError::Invalid { key, .. }) if key == "cpu_bytes_to_use"
+    ));
+}
