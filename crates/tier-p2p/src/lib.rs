@@ -19,6 +19,7 @@
 //! published chunks (each publish allocates its copy).
 
 pub mod auth;
+pub mod bench;
 mod client;
 pub mod config;
 mod conn;

@@ -1,0 +1,358 @@
+//! Peer fetch throughput against the machine's own loopback ceiling, measured in the same run.
+//!
+//! For each chunk size: a raw loopback TCP stream (one connection, one chunk-sized `write` at a
+//! time, read into a chunk-sized buffer) is the ceiling; the path is two [`P2pTier`] instances
+//! in this process, where A publishes the chunks and B loads them over loopback (one connection,
+//! jobs of several chunks, two jobs in flight, every chunk received straight into B's slots and
+//! verified by checksum). Rounds alternate raw and tier so that drift in the machine hits both
+//! alike; the best round of each is reported. `kvtier bench p2p` and the `p2p_bench` example
+//! call [`run`].
+
+use std::cell::UnsafeCell;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
+use offload_core::{BenchRow, ChunkKey, JobId, SlotId};
+
+use crate::{Namespace, P2pConfig, P2pTier};
+
+const MIB: usize = 1 << 20;
+const GIB: f64 = (1u64 << 30) as f64;
+/// How long one load job of the benchmark may take before the run fails.
+const JOB_DEADLINE: Duration = Duration::from_secs(60);
+
+/// What to measure.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct P2pBenchConfig {
+    /// Bytes moved per pass and chunk size (rounded down to whole chunks, at least one).
+    pub total_bytes: usize,
+    /// The chunk sizes to measure, in bytes; each is one row.
+    pub chunk_bytes: Vec<usize>,
+    /// Alternating raw/tier rounds per chunk size; the best of each is reported.
+    pub rounds: usize,
+    /// Host slots on the fetching side; two jobs of half of them each are in flight.
+    pub slot_count: u32,
+}
+
+impl Default for P2pBenchConfig {
+    /// 512 MiB per pass, chunks of 1, 2, 4 and 8 MiB, best of 5, 16 slots.
+    fn default() -> Self {
+        Self {
+            total_bytes: 512 * MIB,
+            chunk_bytes: vec![MIB, 2 * MIB, 4 * MIB, 8 * MIB],
+            rounds: 5,
+            slot_count: 16,
+        }
+    }
+}
+
+/// Runs the benchmark: one `BenchRow` with op `"fetch"` per chunk size (the tier's GiB/s and
+/// the raw socket's, same run). `progress` hears one line per finished chunk size.
+pub fn run(
+    config: &P2pBenchConfig,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<BenchRow>, String> {
+    if config.rounds == 0 || config.slot_count < 2 {
+        return Err(format!(
+            "p2p bench: rounds must be >= 1 and slot_count >= 2, got {} and {}",
+            config.rounds, config.slot_count
+        ));
+    }
+    let mut rows = Vec::new();
+    for &bytes in &config.chunk_bytes {
+        if bytes == 0 || bytes > u32::MAX as usize {
+            return Err(format!(
+                "p2p bench: chunk size {bytes} is not in 1..=u32::MAX"
+            ));
+        }
+        let row = measure(config, bytes)?;
+        progress(&format!(
+            "fetch {:>6} KiB: raw tcp {:.2} GiB/s, p2p {:.2} GiB/s, ratio {:.2}",
+            bytes / 1024,
+            row.ceiling_gib_per_s,
+            row.gib_per_s,
+            row.ratio()
+        ));
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// Both sides at one chunk size.
+fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<BenchRow, String> {
+    let count = (config.total_bytes / bytes).max(1);
+    let total = count * bytes;
+    let a = publisher(count, bytes, total)?;
+    let memory: Arc<dyn SlotMemory> = Arc::new(FlatMemory::new(config.slot_count, bytes));
+    let mut b = fetcher(a.local_addr(), memory, bytes)?;
+    let mut pass = Pass {
+        tier: &mut b,
+        next_id: 1,
+        slot_count: config.slot_count,
+        bytes,
+    };
+    // Warm-up: connects and warms the path.
+    pass.run(count.min(config.slot_count as usize))?;
+    let (mut raw, mut tier) = (0.0f64, 0.0f64);
+    for _ in 0..config.rounds {
+        raw = raw.max(raw_loopback(bytes, total)?);
+        tier = tier.max(pass.run(count)?);
+    }
+    Ok(BenchRow {
+        op: "fetch".into(),
+        chunk_bytes: bytes as u64,
+        gib_per_s: tier,
+        ceiling_gib_per_s: raw,
+    })
+}
+
+/// A host pool in one prefaulted allocation with stable slot addresses (like a pinned pool), so
+/// that payloads are received straight into the slots.
+struct FlatMemory {
+    bytes: Box<[UnsafeCell<u8>]>,
+    slot_bytes: usize,
+    slot_count: u32,
+}
+
+// SAFETY: the `Tier` ownership rules give each in-flight job exclusive use of its slots, so no
+// two threads touch the same bytes at once; the cells are only reached through those rules.
+unsafe impl Sync for FlatMemory {}
+
+impl FlatMemory {
+    fn new(slot_count: u32, slot_bytes: usize) -> Self {
+        // Writing every byte prefaults the pool before any measurement.
+        let bytes = (0..slot_count as usize * slot_bytes)
+            .map(|i| UnsafeCell::new((i % 251) as u8))
+            .collect();
+        Self {
+            bytes,
+            slot_bytes,
+            slot_count,
+        }
+    }
+
+    fn base(&self, slot: SlotId, offset: usize, len: usize) -> *mut u8 {
+        assert!(
+            slot.0 < self.slot_count && offset + len <= self.slot_bytes,
+            "bench memory: slot {} offset {offset} len {len} outside the pool",
+            slot.0
+        );
+        self.bytes[slot.0 as usize * self.slot_bytes + offset].get()
+    }
+}
+
+impl SlotMemory for FlatMemory {
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot_count(&self) -> u32 {
+        self.slot_count
+    }
+
+    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
+        let src = self.base(slot, offset, dst.len());
+        // SAFETY: the range is inside the allocation (checked in `base`), and the slot is owned
+        // by the calling job, so nobody writes it meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
+        let dst = self.base(slot, offset, src.len());
+        // SAFETY: as in `read_slot`; the job owns the slot exclusively.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+    }
+
+    fn slot_ptr(&self, slot: SlotId) -> Option<NonNull<u8>> {
+        NonNull::new(self.base(slot, 0, 0))
+    }
+}
+
+fn key(index: usize) -> ChunkKey {
+    ChunkKey::new(0xBE4C_0000_0000 + index as u64, 0)
+}
+
+/// Raw loopback: `total` bytes in writes of `write_bytes` on one connection, read into a buffer
+/// of that size; GiB/s from the first read to the last.
+fn raw_loopback(write_bytes: usize, total: usize) -> Result<f64, String> {
+    let io = |what: &str, e: std::io::Error| format!("p2p bench raw loopback: {what}: {e}");
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| io("bind", e))?;
+    let addr = listener.local_addr().map_err(|e| io("local_addr", e))?;
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut stream, _) = listener.accept()?;
+        stream.set_nodelay(true)?;
+        let buf = vec![0x5Au8; write_bytes];
+        let mut sent = 0;
+        while sent < total {
+            stream.write_all(&buf)?;
+            sent += write_bytes;
+        }
+        Ok(())
+    });
+    let mut stream = TcpStream::connect(addr).map_err(|e| io("connect", e))?;
+    stream.set_nodelay(true).map_err(|e| io("nodelay", e))?;
+    let mut buf = vec![0u8; write_bytes];
+    let start = Instant::now();
+    let mut received = 0;
+    while received < total {
+        stream.read_exact(&mut buf).map_err(|e| io("read", e))?;
+        received += write_bytes;
+    }
+    let elapsed = start.elapsed();
+    match writer.join() {
+        Ok(result) => result.map_err(|e| io("write", e))?,
+        Err(_) => return Err("p2p bench raw loopback: writer thread panicked".into()),
+    }
+    Ok(total as f64 / GIB / elapsed.as_secs_f64())
+}
+
+fn bench_config(bytes: usize, total: usize) -> P2pConfig {
+    let mut config = P2pConfig::new(Namespace::new("bench", "flat", 1));
+    config.published_bytes_max = total + bytes;
+    config.frame_body_bytes_max = config.frame_body_bytes_max.max(bytes + 64);
+    config.fetch_deadline = JOB_DEADLINE;
+    config
+}
+
+/// A fresh instance that publishes `count` chunks of `bytes` (all from one filled slot).
+fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String> {
+    let memory: Arc<dyn SlotMemory> = Arc::new(FlatMemory::new(1, bytes));
+    let mut tier = P2pTier::new(bench_config(bytes, total), memory)
+        .map_err(|e| format!("p2p bench: publisher: {e}"))?;
+    let chunks = (0..count)
+        .map(|i| (key(i), SlotId(0), bytes as u32))
+        .collect();
+    let id = JobId(1);
+    let job = TierJob {
+        id,
+        request: None,
+        op: TierOp::Store,
+        chunks,
+    };
+    tier.submit(job)
+        .map_err(|e| format!("p2p bench: publish refused: {e:?}"))?;
+    wait(&mut tier, id, &mut Vec::new())?;
+    Ok(tier)
+}
+
+fn fetcher(peer: SocketAddr, memory: Arc<dyn SlotMemory>, bytes: usize) -> Result<P2pTier, String> {
+    let mut config = bench_config(bytes, bytes);
+    config.peers = vec![peer];
+    P2pTier::new(config, memory).map_err(|e| format!("p2p bench: fetcher: {e}"))
+}
+
+/// Polls `tier` until job `id` completes; a failed or late job is an error.
+fn wait(tier: &mut P2pTier, id: JobId, out: &mut Vec<TierCompletion>) -> Result<(), String> {
+    let start = Instant::now();
+    loop {
+        if let Some(i) = out.iter().position(|c| c.id == id) {
+            let done = out.swap_remove(i);
+            if !done.is_success() {
+                return Err(format!(
+                    "p2p bench: job {} failed {} keys",
+                    id.0,
+                    done.failed.len()
+                ));
+            }
+            return Ok(());
+        }
+        if start.elapsed() > JOB_DEADLINE {
+            return Err(format!(
+                "p2p bench: job {} not done in {JOB_DEADLINE:?}",
+                id.0
+            ));
+        }
+        tier.poll(out);
+        // Sleep rather than spin: on a small machine a spinning poller takes a core from the
+        // threads that move the bytes.
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Loads chunks through one fetching instance.
+struct Pass<'a> {
+    tier: &'a mut P2pTier,
+    next_id: u64,
+    slot_count: u32,
+    bytes: usize,
+}
+
+impl Pass<'_> {
+    /// Loads chunks `0..count`, two jobs of half the slots each in flight; returns GiB/s.
+    fn run(&mut self, count: usize) -> Result<f64, String> {
+        let per_job = self.slot_count as usize / 2;
+        let mut out = Vec::new();
+        let mut in_flight: Vec<JobId> = Vec::new();
+        let start = Instant::now();
+        for (job_index, first) in (0..count).step_by(per_job).enumerate() {
+            let half = (job_index % 2) as u32 * per_job as u32;
+            let chunks = (first..(first + per_job).min(count))
+                .enumerate()
+                .map(|(n, i)| (key(i), SlotId(half + n as u32), self.bytes as u32))
+                .collect();
+            if in_flight.len() == 2 {
+                let oldest = in_flight.remove(0);
+                wait(self.tier, oldest, &mut out)?;
+            }
+            let id = JobId(self.next_id);
+            self.next_id += 1;
+            let job = TierJob {
+                id,
+                request: None,
+                op: TierOp::Load,
+                chunks,
+            };
+            self.tier
+                .submit(job)
+                .map_err(|e| format!("p2p bench: load refused: {e:?}"))?;
+            in_flight.push(id);
+        }
+        for id in in_flight {
+            wait(self.tier, id, &mut out)?;
+        }
+        Ok((count * self.bytes) as f64 / GIB / start.elapsed().as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_run_reports_one_positive_row_per_chunk_size() {
+        let config = P2pBenchConfig {
+            total_bytes: 256 * 1024,
+            chunk_bytes: vec![64 * 1024, 128 * 1024],
+            rounds: 1,
+            slot_count: 4,
+        };
+        let mut lines = Vec::new();
+        let rows = run(&config, &mut |line| lines.push(line.to_owned())).expect("bench runs");
+        assert_eq!(rows.len(), 2);
+        assert_eq!(lines.len(), 2);
+        for (row, bytes) in rows.iter().zip([64 * 1024u64, 128 * 1024]) {
+            assert_eq!(row.op, "fetch");
+            assert_eq!(row.chunk_bytes, bytes);
+            assert!(row.gib_per_s > 0.0 && row.gib_per_s.is_finite(), "{row:?}");
+            assert!(row.ceiling_gib_per_s > 0.0, "{row:?}");
+        }
+    }
+
+    #[test]
+    fn bad_config_is_refused() {
+        let config = P2pBenchConfig {
+            rounds: 0,
+            ..P2pBenchConfig::default()
+        };
+        assert!(run(&config, &mut |_| {}).is_err());
+        let config = P2pBenchConfig {
+            chunk_bytes: vec![0],
+            ..P2pBenchConfig::default()
+        };
+        assert!(run(&config, &mut |_| {}).is_err());
+    }
+}
