@@ -253,6 +253,8 @@ pub struct TieringManager {
     host_loads: BTreeMap<ChunkKey, VecDeque<u64>>,
     /// Promotions queued this step: one batch per (request, tier).
     promotions: BTreeMap<(RequestId, usize), Vec<Chunk>>,
+    /// When each batch of `promotions` was first queued (a busy tier keeps it queued).
+    promotions_queued_ns: BTreeMap<(RequestId, usize), u64>,
     /// Requests finished with no host store pending, waiting for queued cascades to go out.
     finalize_waiting: BTreeSet<RequestId>,
     finalized: BTreeSet<RequestId>,
@@ -305,6 +307,7 @@ impl TieringManager {
             host_stores: BTreeMap::new(),
             host_loads: BTreeMap::new(),
             promotions: BTreeMap::new(),
+            promotions_queued_ns: BTreeMap::new(),
             finalize_waiting: BTreeSet::new(),
             finalized: BTreeSet::new(),
             finalized_order: VecDeque::new(),
@@ -528,16 +531,14 @@ impl TieringManager {
 
     /// Asks the allowed secondary tiers for `key` after a host miss.
     fn lookup_tiers(&mut self, key: ChunkKey, request: RequestId) -> LookupResult {
-        let (mask, failed) = match self.requests.get(&request) {
-            Some(r) => (r.tiers, Some(&r.failed)),
-            None => (self.default_mask, None),
-        };
-        let allowed: Vec<usize> = (0..self.tiers.len())
-            .filter(|&i| mask.allows(i) && !failed.is_some_and(|f| f.contains(&(key, i))))
-            .collect();
+        let state = self.requests.get(&request);
+        let mask = state.map_or(self.default_mask, |r| r.tiers);
         let mut retry = false;
-        for i in allowed {
-            let entry = &mut self.tiers[i];
+        let mut hit = None;
+        for (i, entry) in self.tiers.iter_mut().enumerate() {
+            if !mask.allows(i) || state.is_some_and(|r| r.failed.contains(&(key, i))) {
+                continue;
+            }
             entry.counters.lookups += 1;
             match entry.tier.lookup(key) {
                 TierLookup::Miss => {}
@@ -547,14 +548,15 @@ impl TieringManager {
                 }
                 TierLookup::Hit => {
                     entry.counters.hits += 1;
-                    return self.reserve_promotion(key, request, i);
+                    hit = Some(i);
+                    break;
                 }
             }
         }
-        if retry {
-            LookupResult::Retry
-        } else {
-            LookupResult::Miss
+        match hit {
+            Some(i) => self.reserve_promotion(key, request, i),
+            None if retry => LookupResult::Retry,
+            None => LookupResult::Miss,
         }
     }
 
@@ -579,6 +581,10 @@ impl TieringManager {
         };
         self.state(request);
         let len = self.options.slot_bytes;
+        let now = self.now();
+        self.promotions_queued_ns
+            .entry((request, tier))
+            .or_insert(now);
         self.promotions
             .entry((request, tier))
             .or_default()
@@ -593,6 +599,7 @@ impl TieringManager {
         let Some(chunks) = self.promotions.remove(&(request, tier)) else {
             return;
         };
+        let queued_ns = self.promotions_queued_ns.remove(&(request, tier));
         let id = self.allocate_job();
         let job = TierJob {
             id,
@@ -619,15 +626,23 @@ impl TieringManager {
             Err(SubmitError::Busy { .. }) if !must_go => {
                 entry.counters.submits_busy += 1;
                 self.promotions.insert((request, tier), job.chunks);
+                self.promotions_queued_ns
+                    .insert((request, tier), queued_ns.unwrap_or(now));
             }
             Err(_) => {
                 entry.counters.jobs_dropped += 1;
-                let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
-                self.host.complete_store(&keys, false);
-                if let Some(r) = self.requests.get_mut(&request) {
-                    r.failed.extend(keys.iter().map(|&k| (k, tier)));
-                }
+                self.cancel_promotion(request, tier, &job.chunks);
             }
+        }
+    }
+
+    /// Frees the host slots of promotions that will not happen; the requests waiting for them
+    /// recompute, and `request` does not ask `tier` for these keys again.
+    fn cancel_promotion(&mut self, request: RequestId, tier: usize, chunks: &[Chunk]) {
+        let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
+        self.host.complete_store(&keys, false);
+        if let Some(r) = self.requests.get_mut(&request) {
+            r.failed.extend(keys.iter().map(|&k| (k, tier)));
         }
     }
 
@@ -745,6 +760,21 @@ impl TieringManager {
     fn cancel_overdue_promotions(&mut self) {
         let now = self.now();
         let deadline = self.options.promotion_deadline_ns;
+        // Queued behind a busy tier for too long: never submitted.
+        let stale: Vec<(RequestId, usize)> = self
+            .promotions_queued_ns
+            .iter()
+            .filter(|(_, &at)| now.saturating_sub(at) > deadline)
+            .map(|(&batch, _)| batch)
+            .collect();
+        for (request, tier) in stale {
+            self.promotions_queued_ns.remove(&(request, tier));
+            if let Some(chunks) = self.promotions.remove(&(request, tier)) {
+                self.tiers[tier].counters.promotions_timed_out += 1;
+                self.tiers[tier].counters.jobs_dropped += 1;
+                self.cancel_promotion(request, tier, &chunks);
+            }
+        }
         let overdue: Vec<JobId> = self
             .in_flight
             .iter()
@@ -1068,6 +1098,7 @@ impl OffloadManager for TieringManager {
         self.counters.resets += 1;
         // Promotions queued and not submitted: their slots are dropped with the pool below.
         self.promotions.clear();
+        self.promotions_queued_ns.clear();
         // Tier I/O reads and writes host slots: it must end before they are freed.
         self.drain();
         self.drop_queued_cascades();

@@ -509,3 +509,76 @@ fn calls_for_a_finished_request_are_invariant_failures() {
     assert_eq!(f.manager.counters().invariant_failures, 2);
     assert!(f.manager.host().is_empty(), "nothing was reserved");
 }
+
+#[test]
+fn a_promotion_stuck_behind_a_busy_tier_is_cancelled_at_its_deadline() {
+    let memory = Arc::new(VecSlotMemory::new(4, SLOT_BYTES));
+    let dyn_memory: Arc<dyn SlotMemory> = memory.clone();
+    let fake = SharedTier::new(
+        FakeTier::new(
+            dyn_memory,
+            FakeTierConfig {
+                jobs_in_flight_max: 1,
+                ..FakeTierConfig::default()
+            },
+        ),
+        1000,
+    );
+    let clock = connector::ManualClock::new();
+    let options = TieringOptions {
+        strict: true,
+        promotion_deadline_ns: 1000,
+        clock: Arc::new(clock.clone()),
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    };
+    let host = HostPool::new(PoolConfig {
+        slot_count: 4,
+        policy: EvictionPolicy::Lru,
+        reuse_threshold: 0,
+        events: false,
+    })
+    .expect("pool");
+    let mut manager = TieringManager::new(host, vec![fake.boxed()], options).expect("manager");
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(&[key(1)], RequestId(1), &mut prepared)
+        .expect("room");
+    manager.complete_store(&prepared.keys, true);
+    manager.on_request_finished(RequestId(1));
+    manager.begin_step();
+    manager.reset();
+    // The tier's only job slot is taken by a stalled cascade of another chunk.
+    fake.with(|t| t.faults_mut().stall = true);
+    manager
+        .prepare_store(&[key(2)], RequestId(2), &mut prepared)
+        .expect("room");
+    manager.complete_store(&prepared.keys, true);
+    let r = RequestId(3);
+    assert_eq!(manager.lookup(key(1), r), LookupResult::Pending);
+    manager.end_step();
+    assert_eq!(manager.tier_counters(0).map(|c| c.submits_busy), Some(1));
+    clock.advance(500);
+    manager.begin_step();
+    assert_eq!(
+        manager.lookup(key(1), r),
+        LookupResult::Pending,
+        "still queued"
+    );
+    clock.advance(1000);
+    manager.begin_step();
+    assert_eq!(manager.host().slot_of(key(1)), None, "reserved slot freed");
+    assert_eq!(manager.lookup(key(1), r), LookupResult::Miss);
+    assert_eq!(
+        manager.tier_counters(0).map(|c| c.promotions_timed_out),
+        Some(1)
+    );
+    fake.with(|t| t.faults_mut().stall = false);
+    manager.on_request_finished(RequestId(2));
+    manager.on_request_finished(r);
+    manager.drain();
+    assert!(
+        manager.outstanding().is_empty(),
+        "{:?}",
+        manager.outstanding()
+    );
+}
