@@ -141,6 +141,13 @@ impl<M: AsTiering> SchedulerHandle<M> {
         self.metrics().to_prometheus()
     }
 
+    /// Reaps secondary-tier completions without blocking (what `build_connector_meta` does
+    /// first); an engine with no step to run for a while calls it so that cascades release their
+    /// host-slot pins and promotions land.
+    pub fn poll_tiers(&mut self) {
+        self.scheduler.manager_mut().tiering_mut().begin_step();
+    }
+
     /// Blocks until every secondary-tier job was reported (for shutdown and tests).
     pub fn drain_tiers(&mut self) {
         self.scheduler.manager_mut().tiering_mut().drain();

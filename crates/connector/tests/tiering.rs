@@ -408,7 +408,12 @@ impl Tier for Liar {
     }
     fn touch(&mut self, _: &[ChunkKey]) {}
     fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
-        // Reports each job twice, and a job nobody submitted.
+        // Reports each job twice, a job nobody submitted, and the next tier's job (the manager
+        // submits one cascade per tier, in tier order, with consecutive ids).
+        self.reports.push(TierCompletion {
+            id: JobId(job.id.0 + 1),
+            failed: Vec::new(),
+        });
         for _ in 0..2 {
             self.reports.push(TierCompletion {
                 id: job.id,
@@ -461,10 +466,17 @@ fn reports_twice_unknown_or_from_the_wrong_tier_are_invariant_failures() {
         .prepare_store(&[key(1)], RequestId(1), &mut prepared)
         .expect("room");
     manager.complete_store(&prepared.keys, true);
-    // Jobs 1 (honest) and 2 (liar). The liar reports 2 twice and 1002 (unknown).
+    // Jobs 1 (liar) and 2 (honest). The liar, polled first, reports 2 (the honest tier's: wrong
+    // tier), 1 twice, and 1001 (unknown); the honest tier's own report of 2 still counts.
     manager.begin_step();
-    assert_eq!(manager.counters().invariant_failures, 2);
+    assert_eq!(manager.counters().invariant_failures, 3);
     assert_eq!(manager.tier_jobs_in_flight(), 0);
+    assert_eq!(manager.tier_counters(1).map(|c| c.chunks_stored), Some(1));
+    assert_eq!(
+        manager.host().ref_count(key(1)),
+        Some(0),
+        "both pins released once"
+    );
 
     // Strict mode panics on the first.
     let strict = std::panic::catch_unwind(|| {
