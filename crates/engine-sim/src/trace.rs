@@ -193,8 +193,7 @@ pub struct TraceOptions {
     /// Simulated milliseconds per engine step: a request arrives at step
     /// `floor((timestamp - first timestamp) / ms_per_step)`. Must be positive.
     pub ms_per_step: f64,
-    /// Seed mixed into nothing that changes tokens (tokens depend on hash ids only); kept on the
-    /// requests so that a replay's random choices elsewhere are reproducible.
+    /// Seed of the requests' own `seed` fields (their tokens depend on hash ids only).
     pub seed: u64,
 }
 
@@ -276,7 +275,11 @@ mod tests {
 
     #[test]
     fn parses_records_and_skips_blank_lines() {
-        let text = format!("{}\n\n{}\n", line(0, 1000, 3, &[1, 2]), line(5, 512, 0, &[7]));
+        let text = format!(
+            "{}\n\n{}\n",
+            line(0, 1000, 3, &[1, 2]),
+            line(5, 512, 0, &[7])
+        );
         let records = read_trace(text.as_bytes()).unwrap();
         assert_eq!(records.len(), 2);
         assert_eq!(records[0].hash_ids, vec![1, 2]);
@@ -332,7 +335,11 @@ mod tests {
 
     #[test]
     fn limit_stops_reading() {
-        let text = format!("{}\n{}\nbroken\n", line(0, 10, 1, &[1]), line(1, 10, 1, &[1]));
+        let text = format!(
+            "{}\n{}\nbroken\n",
+            line(0, 10, 1, &[1]),
+            line(1, 10, 1, &[1])
+        );
         let records = read_trace_named(text.as_bytes(), "t", 2).unwrap();
         assert_eq!(records.len(), 2);
     }
@@ -406,7 +413,10 @@ mod tests {
         );
         let steps: Vec<u64> = w.requests.iter().map(|r| r.arrival_step).collect();
         assert_eq!(steps, vec![0, 2, 6]);
-        assert_eq!(w.requests[1].max_tokens, 1, "output 0 still samples one token");
+        assert_eq!(
+            w.requests[1].max_tokens, 1,
+            "output 0 still samples one token"
+        );
         assert_eq!(w.requests[2].prompt_len(), 600);
         assert_eq!(w.prompt_tokens(), 620);
     }
