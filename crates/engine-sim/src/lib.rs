@@ -9,6 +9,8 @@
 //! - [`checked`]: [`CheckedManager`], a lifecycle checker around any offload manager.
 //! - [`connector`]: the connector calls as a trait, for kvtier's scheduler, the connector crate's
 //!   [`::connector::SchedulerHandle`] (tiering across host, disk and peers) and a no-offload baseline.
+//! - [`transfer`]: [`transfer::SimTransferEngine`], a tier-gpu transfer engine on simulated
+//!   memory, for the connector's worker handle.
 //! - [`sim`]: [`Sim`], the engine loop (sync or async scheduling), with its checks.
 //!
 //! One seed ([`SimConfig::seed`]) decides every choice; a failure names it.
@@ -26,6 +28,7 @@ pub mod rng;
 pub mod scenario;
 pub mod sim;
 pub mod trace;
+pub mod transfer;
 pub mod worker;
 pub mod workload;
 
