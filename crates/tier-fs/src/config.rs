@@ -25,14 +25,17 @@ pub struct NamespaceId {
 /// Whether stores are made durable against power loss.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Durability {
-    /// No fsync (the default). A killed process never leaves a torn chunk (the rename publishes
-    /// only complete files, and the page cache survives the process), but after a power loss a
-    /// renamed file may hold missing or stale blocks; loads then fail its checksum, report the key
-    /// as failed and remove the file, so such a chunk costs a recompute, never wrong KV.
+    /// No fsync (the default). A killed process never leaves a torn chunk that is served: a
+    /// record enters the index only after its write completed, a segment is sealed only after
+    /// every write into it completed, and the next start verifies the records of an unsealed
+    /// segment and cuts a torn tail. After a power loss a record may hold missing or stale blocks;
+    /// loads then fail its checksum, report the key as failed and drop the record, so such a chunk
+    /// costs a recompute, never wrong KV.
     #[default]
     None,
-    /// fsync the temporary file before the rename and the directory after it, so a stored chunk
-    /// survives power loss. Costs one or two disk flushes per chunk.
+    /// fdatasync the segment after each batch of record writes, before the chunks enter the index
+    /// (and the directory after a segment is created), so a stored chunk survives power loss.
+    /// Costs one disk flush per batch.
     Fsync,
 }
 
@@ -55,15 +58,15 @@ pub struct FsTierConfig {
     pub root_dir: PathBuf,
     /// The KV layout identity; decides the namespace directory.
     pub namespace: NamespaceId,
-    /// The most bytes of chunk files (headers and padding included) the tier keeps; older chunks
-    /// (by last access) are evicted to stay under it.
+    /// The most bytes of segment files (headers, padding, dead space and seals included) the
+    /// tier keeps; the segments accessed least recently are evicted to stay under it.
     pub capacity_bytes: u64,
-    /// fsync around the rename of each stored chunk, or not (the default).
+    /// fdatasync each batch of stored records, or not (the default).
     pub durability: Durability,
     /// io_uring, the plain-syscall engine, or the first that works.
     pub engine: EngineChoice,
-    /// Worker threads, each running whole jobs with its own I/O engine (so that one job's file
-    /// creations and renames overlap another's transfers).
+    /// Worker threads, each running whole jobs with its own I/O engine and appending to its own
+    /// segment (so that several jobs' transfers overlap).
     pub workers: usize,
     /// Threads of each worker's plain-syscall engine.
     pub threads: usize,
@@ -73,15 +76,21 @@ pub struct FsTierConfig {
     pub direct_io: bool,
     /// The most jobs accepted and not yet returned by `poll`; beyond it, submit answers `Busy`.
     pub jobs_in_flight_max: usize,
+    /// The most bytes of one segment file (records are appended to a worker's open segment until
+    /// the next would pass this; a single larger record goes alone). The tier also keeps
+    /// segments under `capacity_bytes / (4 * workers)`, so that the segments being appended stay a
+    /// small part of the limit and eviction, which removes whole segments, stays fine-grained.
+    pub segment_bytes_max: u64,
     /// Per worker: the most buffer bytes one submission to the I/O engine may hold (a job larger
     /// than this is split into several submissions; a single larger chunk goes alone), and the
     /// most bytes of buffers kept for reuse. The tier's buffers stay under
     /// `2 * workers * batch_bytes_max` (plus one chunk per worker).
     pub batch_bytes_max: usize,
     /// Other tier instances write this directory too: a lookup of a key missing from the index
-    /// starts an asynchronous probe of its file (answering `Retry` until it completes or
-    /// `probe_deadline` passes), and the start-up sweep removes only temporary files older than
-    /// `stale_tmp_age` (they may belong to a live instance).
+    /// starts an asynchronous probe (a walk over the segments new or grown since the last one),
+    /// answering `Retry` until it completes or `probe_deadline` passes; the start-up sweep removes
+    /// only temporary files older than `stale_tmp_age` and never modifies an unsealed segment
+    /// (it may belong to a live instance); only this instance's segments are ever written.
     pub shared_dir: bool,
     /// How long a lookup may answer `Retry` while its probe runs; also how long a negative probe
     /// result is remembered.
@@ -111,6 +120,7 @@ impl FsTierConfig {
             direct_io: true,
             jobs_in_flight_max: 64,
             batch_bytes_max: 32 << 20,
+            segment_bytes_max: 64 << 20,
             shared_dir: false,
             probe_deadline: Duration::from_secs(1),
             probes_in_flight_max: 256,
@@ -157,6 +167,9 @@ impl FsTierConfig {
         }
         if self.jobs_in_flight_max == 0 || self.jobs_in_flight_max > 1 << 16 {
             return fail("jobs_in_flight_max", "must be between 1 and 65536");
+        }
+        if self.segment_bytes_max < crate::format::ALIGN as u64 {
+            return fail("segment_bytes_max", "must be at least 4096");
         }
         if self.batch_bytes_max < crate::format::HEADER_BYTES {
             return fail("batch_bytes_max", "must be at least 4096");

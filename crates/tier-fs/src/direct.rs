@@ -1,4 +1,4 @@
-//! Opening chunk files with or without O_DIRECT, the start-up probe that decides whether a root
+//! Opening segment files with or without O_DIRECT, the start-up probe that decides whether a root
 //! directory takes O_DIRECT, and the one-line warnings the tier prints.
 
 use std::fs::{self, File, OpenOptions};
@@ -12,7 +12,7 @@ use crate::io::AlignedBuf;
 use crate::layout::Layout;
 use crate::stats::{add, StatsCell};
 
-/// Permission bits of new chunk files.
+/// Permission bits of new segment files.
 const FILE_MODE: u32 = 0o644;
 
 /// Prints a warning (unless `quiet`) and counts it.
@@ -36,9 +36,10 @@ fn direct_flag(direct: bool) -> i32 {
     }
 }
 
-/// Creates a new file for writing (O_EXCL), with O_DIRECT if `direct`.
+/// Creates a new file (O_EXCL) for writing and reading, with O_DIRECT if `direct`.
 pub(crate) fn create_for_write(path: &Path, direct: bool) -> io::Result<File> {
     OpenOptions::new()
+        .read(true)
         .write(true)
         .create_new(true)
         .mode(FILE_MODE)
@@ -46,12 +47,12 @@ pub(crate) fn create_for_write(path: &Path, direct: bool) -> io::Result<File> {
         .open(path)
 }
 
-/// Reopens a temporary file this process created, buffered, truncating it (after EINVAL).
+/// Reopens a segment this instance appends, buffered, keeping its contents (after EINVAL).
 pub(crate) fn reopen_buffered_for_write(path: &Path) -> io::Result<File> {
-    OpenOptions::new().write(true).truncate(true).open(path)
+    OpenOptions::new().read(true).write(true).open(path)
 }
 
-/// Opens a chunk file for reading, with O_DIRECT if `direct`.
+/// Opens a segment file for reading, with O_DIRECT if `direct`.
 pub(crate) fn open_for_read(path: &Path, direct: bool) -> io::Result<File> {
     OpenOptions::new()
         .read(true)

@@ -77,6 +77,9 @@ pub enum FsError {
     /// The background worker could not be started or died.
     #[error("tier-fs worker: {0}")]
     Worker(String),
+    /// The benchmark could not measure (a failed job, a short raw transfer).
+    #[error("tier-fs bench: {0}")]
+    Bench(String),
 }
 
 impl FsError {
@@ -97,7 +100,7 @@ impl FsError {
             FsError::Io { source, .. } => io_kind(source),
             FsError::Corrupt { .. } => FsErrorKind::Corrupt,
             FsError::Unsupported(_) => FsErrorKind::Unsupported,
-            FsError::Worker(_) => FsErrorKind::Fatal,
+            FsError::Worker(_) | FsError::Bench(_) => FsErrorKind::Fatal,
         }
     }
 }

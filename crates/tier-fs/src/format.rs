@@ -1,9 +1,15 @@
-//! The on-disk chunk format: a [`HEADER_BYTES`] header, then the payload padded with zeros to a
-//! multiple of [`ALIGN`], so that the whole file can be read and written with O_DIRECT.
+//! The on-disk record format. A segment file is a sequence of records, each a [`HEADER_BYTES`]
+//! header then a body padded with zeros to a multiple of [`ALIGN`], so that every record can be
+//! read and written with O_DIRECT at an aligned offset.
 //!
 //! Header (little-endian): magic `KVTIERFS` (8 bytes), format version (u32), header length
-//! (u32), key hash (u64), key group (u32), reserved (u32, zero), payload length (u64), xxh3-64 of
-//! the payload (u64), xxh3-64 of the 48 bytes before it (u64); zeros up to [`HEADER_BYTES`].
+//! (u32), key hash (u64), key group (u32), record kind (u32), body length (u64), xxh3-64 of
+//! the body (u64), xxh3-64 of the 48 bytes before it (u64); zeros up to [`HEADER_BYTES`].
+//!
+//! Record kinds ([`RecordKind`]): a chunk (the body is the payload), a skip record (the body is
+//! dead space left by a failed write or a quarantined chunk; readers step over it), and the seal
+//! (no body; written once every earlier record of the segment is complete, so a segment without
+//! one may have a torn tail).
 
 use offload_core::ChunkKey;
 use xxhash_rust::xxh3::xxh3_64;
@@ -12,14 +18,44 @@ use xxhash_rust::xxh3::xxh3_64;
 pub const ALIGN: usize = crate::io::buf::ALIGN;
 /// Bytes of the header; the payload starts here.
 pub const HEADER_BYTES: usize = ALIGN;
-/// The magic at the start of every chunk file.
+/// The magic at the start of every record.
 pub const MAGIC: [u8; 8] = *b"KVTIERFS";
 /// The format version written (and the only one read).
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes of the header that carry fields (the rest is zero).
 const FIELDS_BYTES: usize = 56;
 
-/// The bytes a chunk with `payload_len` bytes of payload occupies on disk.
+/// What a record holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordKind {
+    /// A chunk: the body is its payload.
+    Chunk,
+    /// Dead space of `payload_len` bytes after the header (a failed write, a quarantined chunk).
+    Skip,
+    /// The end of a sealed segment: every record before it is complete.
+    Seal,
+}
+
+impl RecordKind {
+    fn code(self) -> u32 {
+        match self {
+            RecordKind::Chunk => 0,
+            RecordKind::Skip => 1,
+            RecordKind::Seal => 2,
+        }
+    }
+
+    fn from_code(code: u32) -> Option<Self> {
+        match code {
+            0 => Some(RecordKind::Chunk),
+            1 => Some(RecordKind::Skip),
+            2 => Some(RecordKind::Seal),
+            _ => None,
+        }
+    }
+}
+
+/// The bytes a record with `payload_len` bytes of body occupies on disk (header and padding).
 pub fn file_bytes(payload_len: u64) -> u64 {
     HEADER_BYTES as u64 + payload_len.div_ceil(ALIGN as u64) * ALIGN as u64
 }
@@ -29,7 +65,7 @@ pub fn payload_checksum(payload: &[u8]) -> u64 {
     xxh3_64(payload)
 }
 
-/// Why a chunk file does not verify.
+/// Why a record does not verify.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum FormatError {
     /// Fewer bytes than the header and payload need.
@@ -39,7 +75,7 @@ pub enum FormatError {
         /// Bytes needed.
         need: usize,
     },
-    /// The magic is wrong (not a chunk file).
+    /// The magic (or the record kind) is wrong: not a record.
     BadMagic,
     /// A format version this build does not read.
     BadVersion(u32),
@@ -47,6 +83,8 @@ pub enum FormatError {
     BadHeaderChecksum,
     /// The header names another key.
     WrongKey(ChunkKey),
+    /// The record is not a chunk (a skip record or a seal).
+    NotAChunk,
     /// The stored payload length differs from the one asked for (the file itself is valid).
     LengthMismatch {
         /// Stored length.
@@ -82,14 +120,17 @@ impl std::fmt::Display for FormatError {
                 write!(f, "payload length {stored} stored, {expected} requested")
             }
             FormatError::BadChecksum => write!(f, "payload checksum mismatch"),
+            FormatError::NotAChunk => write!(f, "not a chunk record"),
         }
     }
 }
 
-/// A chunk file's header.
+/// A record's header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
-    /// The chunk's key.
+    /// What the record holds.
+    pub kind: RecordKind,
+    /// The chunk's key (zero for other kinds).
     pub key: ChunkKey,
     /// Payload bytes.
     pub payload_len: u64,
@@ -101,10 +142,37 @@ impl Header {
     /// The header of `payload` stored under `key`.
     pub fn for_payload(key: ChunkKey, payload: &[u8]) -> Self {
         Self {
+            kind: RecordKind::Chunk,
             key,
             payload_len: payload.len() as u64,
             checksum: payload_checksum(payload),
         }
+    }
+
+    /// The header of a skip record covering `record_bytes` bytes in all (a multiple of
+    /// [`ALIGN`], at least [`HEADER_BYTES`]).
+    pub fn skip(record_bytes: u64) -> Self {
+        Self {
+            kind: RecordKind::Skip,
+            key: ChunkKey::new(0, 0),
+            payload_len: record_bytes.saturating_sub(HEADER_BYTES as u64),
+            checksum: 0,
+        }
+    }
+
+    /// The header of a seal record.
+    pub fn seal() -> Self {
+        Self {
+            kind: RecordKind::Seal,
+            key: ChunkKey::new(0, 0),
+            payload_len: 0,
+            checksum: 0,
+        }
+    }
+
+    /// Bytes of the whole record (header, body, padding).
+    pub fn record_bytes(&self) -> u64 {
+        file_bytes(self.payload_len)
     }
 
     /// Writes the header into the first [`HEADER_BYTES`] bytes of `out` (zeroing the rest of
@@ -119,6 +187,7 @@ impl Header {
         out[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
         out[16..24].copy_from_slice(&self.key.hash.to_le_bytes());
         out[24..28].copy_from_slice(&self.key.group.to_le_bytes());
+        out[28..32].copy_from_slice(&self.kind.code().to_le_bytes());
         out[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
         out[40..48].copy_from_slice(&self.checksum.to_le_bytes());
         let own = xxh3_64(&out[0..48]);
@@ -147,7 +216,9 @@ impl Header {
         if u32_at(fields, 12) as usize != HEADER_BYTES {
             return Err(FormatError::BadMagic);
         }
+        let kind = RecordKind::from_code(u32_at(fields, 28)).ok_or(FormatError::BadMagic)?;
         Ok(Self {
+            kind,
             key: ChunkKey::new(u64_at(fields, 16), u32_at(fields, 24)),
             payload_len: u64_at(fields, 32),
             checksum: u64_at(fields, 40),
@@ -167,7 +238,7 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(raw)
 }
 
-/// Writes the file image of `key`'s chunk into `out`: the header, then the payload copied by
+/// Writes the record image of `key`'s chunk into `out`: the header, then the payload copied by
 /// `fill_payload` (which must fill exactly the slice it gets), then zero padding. Returns the file
 /// length (the bytes to write) and the header.
 ///
@@ -187,10 +258,13 @@ pub fn encode_into(
     (total, header)
 }
 
-/// Verifies a whole file image read back for `key` with `expected_len` payload bytes and returns
+/// Verifies a whole record image read back for `key` with `expected_len` payload bytes and returns
 /// the payload.
 pub fn verify(file: &[u8], key: ChunkKey, expected_len: u64) -> Result<&[u8], FormatError> {
     let header = Header::decode(file)?;
+    if header.kind != RecordKind::Chunk {
+        return Err(FormatError::NotAChunk);
+    }
     if header.key != key {
         return Err(FormatError::WrongKey(header.key));
     }
@@ -281,6 +355,15 @@ mod tests {
         assert!(FormatError::BadChecksum.is_corruption());
         let zeros = vec![0u8; file.len()];
         assert_eq!(verify(&zeros, key, 10_000), Err(FormatError::BadMagic));
+        let mut skip = file.clone();
+        Header::skip(file.len() as u64).encode(&mut skip);
+        assert_eq!(verify(&skip, key, 10_000), Err(FormatError::NotAChunk));
+        let decoded = Header::decode(&skip).unwrap();
+        assert_eq!(decoded.kind, RecordKind::Skip);
+        assert_eq!(decoded.record_bytes(), file.len() as u64);
+        let mut seal = vec![0u8; HEADER_BYTES];
+        Header::seal().encode(&mut seal);
+        assert_eq!(Header::decode(&seal).unwrap().kind, RecordKind::Seal);
     }
 
     #[test]

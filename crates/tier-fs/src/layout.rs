@@ -1,13 +1,14 @@
-//! Where files live: `<root>/<namespace hash>/<2 hex chars>/<key hash>-<group>.kv`, temporary
-//! files beside their final name, and the namespace config file (`namespace.json`) that records
-//! the layout identity and is checked at start.
+//! Where files live: `<root>/<namespace hash>/` holds the namespace config file
+//! (`namespace.json`, the layout identity, checked at start) and the segment files
+//! `<instance>-<sequence>.seg`, each appended by one worker of one tier instance (the instance id
+//! is fresh at every start, so two instances sharing a directory never append to the same file).
+//! Temporary files (`*.tmp`: the namespace file being written, the O_DIRECT probe) live beside them.
 
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use offload_core::ChunkKey;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::config::NamespaceId;
@@ -18,10 +19,10 @@ use crate::format::FORMAT_VERSION;
 pub const NAMESPACE_FILE: &str = "namespace.json";
 /// The suffix of every temporary file.
 pub const TMP_SUFFIX: &str = ".tmp";
-/// The suffix of every chunk file.
-pub const CHUNK_SUFFIX: &str = ".kv";
+/// The suffix of every segment file.
+pub const SEGMENT_SUFFIX: &str = ".seg";
 
-/// Process-wide counter that makes temporary names unique (with the process id).
+/// Process-wide counter that makes temporary names and instance ids unique (with the process id).
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// The hash that names a namespace directory (stable across builds and machines).
@@ -30,6 +31,17 @@ pub fn namespace_hash(ns: &NamespaceId) -> u64 {
         "kvtier-fs/v{FORMAT_VERSION}\0{}\0{}\0{}\0{}",
         ns.model, ns.dtype, ns.tokens_per_chunk, ns.parallel_layout
     );
+    xxh3_64(text.as_bytes())
+}
+
+/// A fresh tier-instance id: a hash of the process id, the wall clock and a process-wide
+/// counter, so that instances on one host or on several hosts sharing a directory differ.
+pub fn new_instance_id() -> u64 {
+    let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let text = format!("{}-{nanos}-{n}", std::process::id());
     xxh3_64(text.as_bytes())
 }
 
@@ -52,30 +64,9 @@ impl Layout {
         &self.dir
     }
 
-    /// The fan-out directory of the chunk: the first two hex digits of its hash.
-    pub fn fanout_dir(&self, key: ChunkKey) -> PathBuf {
-        self.dir.join(format!("{:02x}", key.hash >> 56))
-    }
-
-    /// Every fan-out directory (256 of them).
-    pub fn fanout_dirs(&self) -> impl Iterator<Item = PathBuf> + '_ {
-        (0..=255u8).map(|b| self.dir.join(format!("{b:02x}")))
-    }
-
-    /// The chunk file's final path.
-    pub fn chunk_path(&self, key: ChunkKey) -> PathBuf {
-        self.fanout_dir(key).join(chunk_file_name(key))
-    }
-
-    /// A fresh temporary path for the chunk, in its fan-out directory, unique in this process
-    /// and across processes (pid and counter).
-    pub fn temp_path(&self, key: ChunkKey) -> PathBuf {
-        let n = TMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        self.fanout_dir(key).join(format!(
-            "{}.{}-{n}{TMP_SUFFIX}",
-            chunk_file_name(key),
-            std::process::id()
-        ))
+    /// The path of segment `sequence` of instance `instance`.
+    pub fn segment_path(&self, instance: u64, sequence: u32) -> PathBuf {
+        self.dir.join(segment_file_name(instance, sequence))
     }
 
     /// A fresh temporary path in the namespace directory itself (probes, the namespace file).
@@ -91,27 +82,25 @@ impl Layout {
     }
 }
 
-/// `<hash as 16 hex digits>-<group>.kv`.
-pub fn chunk_file_name(key: ChunkKey) -> String {
-    format!("{:016x}-{}{CHUNK_SUFFIX}", key.hash, key.group)
+/// `<instance as 16 hex digits>-<sequence as 8 hex digits>.seg`.
+pub fn segment_file_name(instance: u64, sequence: u32) -> String {
+    format!("{instance:016x}-{sequence:08x}{SEGMENT_SUFFIX}")
 }
 
-/// The key a chunk file name encodes, or `None` for any other name.
-pub fn parse_chunk_file_name(name: &str) -> Option<ChunkKey> {
-    let stem = name.strip_suffix(CHUNK_SUFFIX)?;
-    let (hash, group) = stem.split_once('-')?;
-    if hash.len() != 16 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+/// The instance and sequence a segment file name encodes, or `None` for any other name.
+pub fn parse_segment_file_name(name: &str) -> Option<(u64, u32)> {
+    let stem = name.strip_suffix(SEGMENT_SUFFIX)?;
+    let (instance, sequence) = stem.split_once('-')?;
+    let hex = |s: &str, len: usize| s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit());
+    if !hex(instance, 16) || !hex(sequence, 8) {
         return None;
     }
-    if group.is_empty() || !group.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let key = ChunkKey::new(
-        u64::from_str_radix(hash, 16).ok()?,
-        group.parse::<u32>().ok()?,
+    let parsed = (
+        u64::from_str_radix(instance, 16).ok()?,
+        u32::from_str_radix(sequence, 16).ok()?,
     );
-    // Only the canonical spelling (lower-case hex, no leading zeros in the group) is ours.
-    (chunk_file_name(key) == name).then_some(key)
+    // Only the canonical (lower-case) spelling is ours.
+    (segment_file_name(parsed.0, parsed.1) == name).then_some(parsed)
 }
 
 /// Whether `name` is a temporary file's name.
@@ -206,37 +195,29 @@ mod tests {
     }
 
     #[test]
-    fn names_round_trip_and_reject_strangers() {
-        let key = ChunkKey::new(0xAB00_0000_0000_0012, 3);
-        let name = chunk_file_name(key);
-        assert_eq!(name, "ab00000000000012-3.kv");
-        assert_eq!(parse_chunk_file_name(&name), Some(key));
+    fn segment_names_round_trip_and_reject_strangers() {
+        let name = segment_file_name(0xAB00_0000_0000_0012, 3);
+        assert_eq!(name, "ab00000000000012-00000003.seg");
+        assert_eq!(
+            parse_segment_file_name(&name),
+            Some((0xAB00_0000_0000_0012, 3))
+        );
         for bad in [
-            "ab00000000000012-3.kv.tmp",
-            "AB00000000000012-3.kv",
-            "ab0000000000012-3.kv",
-            "ab00000000000012-03.kv",
-            "ab00000000000012-.kv",
-            "ab00000000000012.kv",
+            "ab00000000000012-00000003.seg.tmp",
+            "AB00000000000012-00000003.seg",
+            "ab0000000000012-00000003.seg",
+            "ab00000000000012-0000003.seg",
+            "ab00000000000012.seg",
             "namespace.json",
-            "ab00000000000012-99999999999.kv",
         ] {
-            assert_eq!(parse_chunk_file_name(bad), None, "{bad}");
+            assert_eq!(parse_segment_file_name(bad), None, "{bad}");
         }
-    }
-
-    #[test]
-    fn paths_fan_out_by_hash_prefix_and_temps_are_unique() {
         let layout = Layout::new(Path::new("/r"), &ns());
-        let key = ChunkKey::new(0xAB00_0000_0000_0012, 3);
-        let path = layout.chunk_path(key);
-        assert!(path.starts_with(layout.dir().join("ab")));
-        let a = layout.temp_path(key);
-        let b = layout.temp_path(key);
-        assert_ne!(a, b);
-        assert_eq!(a.parent(), path.parent());
+        assert_eq!(layout.segment_path(1, 2).parent(), Some(layout.dir()));
+        assert_ne!(new_instance_id(), new_instance_id());
+        let a = layout.temp_path_in_dir("x");
+        assert_ne!(a, layout.temp_path_in_dir("x"));
         assert!(is_temp_name(&a.file_name().unwrap().to_string_lossy()));
-        assert_eq!(layout.fanout_dirs().count(), 256);
     }
 
     #[test]

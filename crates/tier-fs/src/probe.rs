@@ -1,11 +1,13 @@
 //! Probes of a shared directory: when other instances write the namespace too, a lookup of a key
-//! missing from the index asks a background thread to look for its file (reading and checking its
-//! header), and answers `Retry` until the probe completes or its deadline passes (then `Miss`).
-//! A found chunk is added to the index; a negative answer is remembered for the deadline.
+//! missing from the index asks a background thread to look for it, and answers `Retry` until the
+//! probe completes or its deadline passes (then `Miss`). The thread takes every queued probe at
+//! once, lists the namespace directory, and walks the record headers of other instances' segments
+//! that are new or have grown since its last walk, adding what it finds to the index (loads verify
+//! every record, so a record still being written by its owner fails its checksum and is dropped,
+//! never served). A negative answer is remembered for the deadline.
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -16,8 +18,10 @@ use offload_core::tier::TierLookup;
 use offload_core::ChunkKey;
 
 use crate::error::FsError;
-use crate::format::{file_bytes, Header, HEADER_BYTES};
-use crate::layout::Layout;
+use crate::index::{SegmentId, SegmentState};
+use crate::layout::{parse_segment_file_name, Layout};
+use crate::scan::Scanned;
+use crate::segment::walk;
 use crate::stats::add;
 use crate::worker::Shared;
 
@@ -36,31 +40,47 @@ pub(crate) struct Prober {
 }
 
 impl Prober {
-    /// Starts the probe thread.
+    /// Starts the probe thread; `scanned` is what the start-up scan indexed.
     pub(crate) fn start(
         layout: Layout,
         shared: Arc<Shared>,
         deadline: Duration,
         in_flight_max: usize,
+        scanned: Vec<Scanned>,
     ) -> Result<Self, FsError> {
         let (requests, inbox) = crossbeam_channel::bounded::<ChunkKey>(in_flight_max);
         let (outbox, answers) = crossbeam_channel::bounded(in_flight_max);
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = Arc::clone(&stop);
+        let mut known: HashMap<String, Known> = scanned
+            .into_iter()
+            .map(|s| {
+                let known = Known {
+                    id: s.id,
+                    walked_to: s.walked_to,
+                    sealed: s.sealed,
+                };
+                (s.name, known)
+            })
+            .collect();
         let thread = std::thread::Builder::new()
             .name("kvtier-fs-probe".into())
             .spawn(move || {
-                for key in inbox {
+                while let Ok(first) = inbox.recv() {
                     if thread_stop.load(Ordering::Relaxed) {
                         break;
                     }
-                    let found = probe_file(&layout, key);
-                    if let Some(bytes) = found {
-                        shared.index().insert(key, bytes);
-                        add(&shared.stats.probe_hits, 1);
+                    let mut keys = vec![first];
+                    keys.extend(inbox.try_iter());
+                    refresh(&layout, &shared, &mut known);
+                    for key in keys {
+                        let found = shared.index().contains(key);
+                        if found {
+                            add(&shared.stats.probe_hits, 1);
+                        }
+                        // A full answer queue only drops the answer: the lookup then times out.
+                        let _ = outbox.try_send((key, found));
                     }
-                    // A full answer queue only drops the answer: the lookup then times out.
-                    let _ = outbox.try_send((key, found.is_some()));
                 }
             })
             .map_err(|e| FsError::Worker(format!("spawning the probe thread: {e}")))?;
@@ -148,13 +168,70 @@ impl Drop for Prober {
     }
 }
 
-/// The file size of `key`'s chunk file if it exists and its header names `key` with a length
-/// that fits the file.
-fn probe_file(layout: &Layout, key: ChunkKey) -> Option<u64> {
-    let file = File::open(layout.chunk_path(key)).ok()?;
-    let bytes = file.metadata().ok()?.len();
-    let mut head = vec![0u8; HEADER_BYTES];
-    file.read_exact_at(&mut head, 0).ok()?;
-    let header = Header::decode(&head).ok()?;
-    (header.key == key && file_bytes(header.payload_len) == bytes).then_some(bytes)
+/// A segment of another instance the prober has walked.
+struct Known {
+    id: SegmentId,
+    /// Where the next walk starts (the end of the last good record).
+    walked_to: u64,
+    sealed: bool,
+}
+
+/// Walks the segments of other instances that are new or have grown, adding their chunks to the
+/// index. Errors (a segment deleted meanwhile, an unreadable file) only skip that segment.
+fn refresh(layout: &Layout, shared: &Shared, known: &mut HashMap<String, Known>) {
+    let Ok(entries) = std::fs::read_dir(layout.dir()) else {
+        return;
+    };
+    let own = format!("{:016x}-", shared.instance);
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            continue;
+        };
+        if name.starts_with(&own) || parse_segment_file_name(name).is_none() {
+            continue;
+        }
+        if known.get(name).is_some_and(|k| k.sealed) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        let Ok(len) = file.metadata().map(|m| m.len()) else {
+            continue;
+        };
+        let from = known.get(name).map_or(0, |k| k.walked_to);
+        if len <= from {
+            continue;
+        }
+        let Ok(found) = walk(&file, from, len, false) else {
+            continue;
+        };
+        let mut index = shared.index();
+        let id = match known.get(name) {
+            Some(k) => k.id,
+            None => index.add_segment(&path, 0, SegmentState::Foreign),
+        };
+        if index.segment_path(id).is_none() {
+            // Evicted (forgotten) since: not indexed again.
+            continue;
+        }
+        index.grow_segment(id, found.end);
+        for chunk in &found.chunks {
+            index.insert(chunk.key, id, chunk.offset, chunk.bytes);
+        }
+        if found.sealed {
+            index.set_state(id, SegmentState::Sealed);
+        }
+        drop(index);
+        known.insert(
+            name.to_owned(),
+            Known {
+                id,
+                walked_to: found.end,
+                sealed: found.sealed,
+            },
+        );
+    }
 }

@@ -1,30 +1,33 @@
-//! The start-up scan: rebuilds the index from the chunk files of a namespace (last access = file
-//! modification time), sweeps stale temporary files, removes files that cannot be chunks, and
-//! evicts down to the byte limit.
+//! The start-up scan: rebuilds the index from the segment files of a namespace (oldest segment
+//! first by modification time, records in file order), recovers unsealed segments left by a killed
+//! writer (their records are verified, a torn tail is cut, the segment is sealed), sweeps stale
+//! temporary files and segments without a single good record, and evicts down to the byte limit.
+//!
+//! In a shared directory an unsealed segment may belong to a live instance that is still
+//! appending: it is indexed from its headers only (loads verify every record) and never modified.
 
-use std::fs;
-use std::path::Path;
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use offload_core::ChunkKey;
-
 use crate::error::FsError;
-use crate::format::{ALIGN, HEADER_BYTES};
-use crate::index::Index;
-use crate::layout::{is_temp_name, parse_chunk_file_name, Layout};
+use crate::index::{Index, SegmentId, SegmentState};
+use crate::layout::{is_temp_name, parse_segment_file_name, Layout};
+use crate::segment::{recover, walk, Walk};
 use crate::stats::{add, StatsCell};
 
-/// What the sweep removes.
+/// What the sweep may touch.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SweepPolicy {
-    /// Other instances may be writing: remove only temporary files older than `stale_tmp_age`.
+    /// Other instances may be writing: remove only temporary files older than `stale_tmp_age`,
+    /// and never modify an unsealed segment.
     pub(crate) shared: bool,
     /// The age of a stale temporary file in a shared directory.
     pub(crate) stale_tmp_age: Duration,
 }
 
 impl SweepPolicy {
-    fn removes(&self, modified: Option<SystemTime>) -> bool {
+    fn removes_tmp(&self, modified: Option<SystemTime>) -> bool {
         if !self.shared {
             return true;
         }
@@ -37,11 +40,13 @@ impl SweepPolicy {
     }
 }
 
-/// A chunk file found by the scan.
-struct Found {
-    modified: SystemTime,
-    key: ChunkKey,
-    bytes: u64,
+/// A segment the scan indexed, for the shared-directory prober (which walks unsealed ones on).
+#[derive(Clone, Debug)]
+pub(crate) struct Scanned {
+    pub(crate) name: String,
+    pub(crate) id: SegmentId,
+    pub(crate) walked_to: u64,
+    pub(crate) sealed: bool,
 }
 
 /// Scans the namespace directory into `index`; counts what it found and removed in `stats`.
@@ -50,39 +55,10 @@ pub(crate) fn scan(
     policy: SweepPolicy,
     index: &mut Index,
     stats: &StatsCell,
-) -> Result<(), FsError> {
-    sweep_dir(layout.dir(), policy, stats, &mut Vec::new())?;
-    let mut found = Vec::new();
-    for dir in layout.fanout_dirs() {
-        sweep_dir(&dir, policy, stats, &mut found)?;
-    }
-    // Oldest first, ties broken by key, so the order does not depend on directory order.
-    found.sort_by_key(|f| (f.modified, f.key));
-    add(&stats.chunks_found_at_start, found.len() as u64);
-    for f in found {
-        index.insert(f.key, f.bytes);
-    }
-    for (key, bytes) in index.evict_over_capacity() {
-        let _ = fs::remove_file(layout.chunk_path(key));
-        add(&stats.evictions, 1);
-        add(&stats.evicted_bytes, bytes);
-    }
-    Ok(())
-}
-
-/// Reads one directory: removes stale temporary files and impossible chunk files, and collects
-/// chunk files into `found`. A missing directory is empty.
-fn sweep_dir(
-    dir: &Path,
-    policy: SweepPolicy,
-    stats: &StatsCell,
-    found: &mut Vec<Found>,
-) -> Result<(), FsError> {
-    let entries = match fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(FsError::io("read_dir", dir, 0, e)),
-    };
+) -> Result<Vec<Scanned>, FsError> {
+    let dir = layout.dir();
+    let entries = fs::read_dir(dir).map_err(|e| FsError::io("read_dir", dir, 0, e))?;
+    let mut segments: Vec<(SystemTime, String, PathBuf)> = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|e| FsError::io("read_dir", dir, 0, e))?;
         let name = entry.file_name();
@@ -97,27 +73,83 @@ fn sweep_dir(
             continue;
         }
         if is_temp_name(name) {
-            if policy.removes(meta.modified().ok()) && fs::remove_file(entry.path()).is_ok() {
+            if policy.removes_tmp(meta.modified().ok()) && fs::remove_file(entry.path()).is_ok() {
                 add(&stats.tmp_removed_at_start, 1);
             }
             continue;
         }
-        let Some(key) = parse_chunk_file_name(name) else {
-            continue;
-        };
-        let bytes = meta.len();
-        if bytes < HEADER_BYTES as u64 || bytes % ALIGN as u64 != 0 {
-            // Not a file this format writes (a rename publishes only whole files).
-            if fs::remove_file(entry.path()).is_ok() {
-                add(&stats.quarantined, 1);
-            }
-            continue;
+        if parse_segment_file_name(name).is_some() {
+            let modified = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+            segments.push((modified, name.to_owned(), entry.path()));
         }
-        found.push(Found {
-            modified: meta.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-            key,
-            bytes,
-        });
     }
-    Ok(())
+    // Oldest first, ties broken by name, so the order does not depend on directory order.
+    segments.sort();
+    let mut scanned = Vec::with_capacity(segments.len());
+    for (_, name, path) in segments {
+        if let Some(found) = scan_segment(&path, &name, policy, index, stats)? {
+            scanned.push(found);
+        }
+    }
+    for victim in index.evict_over_capacity() {
+        if victim.delete {
+            let _ = fs::remove_file(&*victim.path);
+        }
+        add(&stats.evictions, victim.chunks);
+        add(&stats.evicted_bytes, victim.bytes);
+    }
+    Ok(scanned)
+}
+
+/// Indexes one segment (recovering it first when it is unsealed and ours to repair).
+fn scan_segment(
+    path: &Path,
+    name: &str,
+    policy: SweepPolicy,
+    index: &mut Index,
+    stats: &StatsCell,
+) -> Result<Option<Scanned>, FsError> {
+    let read = |path: &Path| -> std::io::Result<Walk> {
+        let file = File::open(path)?;
+        let len = file.metadata()?.len();
+        walk(&file, 0, len, false)
+    };
+    let mut found = match read(path) {
+        Ok(found) => found,
+        // Gone meanwhile (another instance evicted it).
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(FsError::io("read", path, 0, e)),
+    };
+    let mut state = SegmentState::Sealed;
+    if !found.sealed {
+        if policy.shared {
+            state = SegmentState::Foreign;
+        } else {
+            let headers = found.chunks.len() as u64;
+            found = recover(path).map_err(|e| FsError::io("recover", path, 0, e))?;
+            add(&stats.open_segments_recovered, 1);
+            add(
+                &stats.torn_records_dropped,
+                headers.saturating_sub(found.chunks.len() as u64),
+            );
+        }
+    }
+    if found.chunks.is_empty() && state == SegmentState::Sealed {
+        // Not one chunk: a segment created just before its writer died, or only dead space.
+        if fs::remove_file(path).is_ok() {
+            add(&stats.tmp_removed_at_start, 1);
+        }
+        return Ok(None);
+    }
+    let id = index.add_segment(path, found.end, state);
+    add(&stats.chunks_found_at_start, found.chunks.len() as u64);
+    for chunk in &found.chunks {
+        index.insert(chunk.key, id, chunk.offset, chunk.bytes);
+    }
+    Ok(Some(Scanned {
+        name: name.to_owned(),
+        id,
+        walked_to: found.end,
+        sealed: found.sealed,
+    }))
 }

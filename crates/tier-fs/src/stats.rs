@@ -53,7 +53,7 @@ impl FailureKind {
 pub struct FsStats {
     /// The I/O engine in use (`"io_uring"` or `"sync"`).
     pub engine: &'static str,
-    /// Whether chunk files are opened with O_DIRECT now.
+    /// Whether segment files are opened with O_DIRECT now.
     pub direct_io: bool,
     /// Chunks written to disk.
     pub chunks_stored: u64,
@@ -65,9 +65,9 @@ pub struct FsStats {
     pub chunks_loaded: u64,
     /// Payload bytes loaded.
     pub bytes_loaded: u64,
-    /// Chunks evicted to stay under the byte limit.
+    /// Chunks evicted to stay under the byte limit (with their segments).
     pub evictions: u64,
-    /// File bytes evicted.
+    /// Segment bytes evicted.
     pub evicted_bytes: u64,
     /// Switches from O_DIRECT to buffered I/O (at most one per root; the start-up probe counts).
     pub direct_fallbacks: u64,
@@ -75,12 +75,18 @@ pub struct FsStats {
     pub buffered_retries: u64,
     /// Warnings issued (engine detection, fallbacks).
     pub warnings: u64,
-    /// Files removed because they did not verify.
+    /// Chunk records dropped because they did not verify.
     pub quarantined: u64,
-    /// Chunk files found by the start-up scan.
+    /// Chunk records found by the start-up scan.
     pub chunks_found_at_start: u64,
-    /// Temporary files removed by the start-up sweep.
+    /// Temporary files (and segments without a single chunk) removed by the start-up sweep.
     pub tmp_removed_at_start: u64,
+    /// Unsealed segments of a killed writer that the start-up scan verified, cut and sealed.
+    pub open_segments_recovered: u64,
+    /// Records dropped by that recovery (a torn tail).
+    pub torn_records_dropped: u64,
+    /// Segments this instance sealed.
+    pub segments_sealed: u64,
     /// Probes of a shared directory started.
     pub probes: u64,
     /// Probes that found a chunk written by another instance.
@@ -118,6 +124,9 @@ pub(crate) struct StatsCell {
     pub(crate) quarantined: AtomicU64,
     pub(crate) chunks_found_at_start: AtomicU64,
     pub(crate) tmp_removed_at_start: AtomicU64,
+    pub(crate) open_segments_recovered: AtomicU64,
+    pub(crate) torn_records_dropped: AtomicU64,
+    pub(crate) segments_sealed: AtomicU64,
     pub(crate) probes: AtomicU64,
     pub(crate) probe_hits: AtomicU64,
     failures: [AtomicU64; 10],
@@ -155,6 +164,9 @@ impl StatsCell {
             quarantined: get(&self.quarantined),
             chunks_found_at_start: get(&self.chunks_found_at_start),
             tmp_removed_at_start: get(&self.tmp_removed_at_start),
+            open_segments_recovered: get(&self.open_segments_recovered),
+            torn_records_dropped: get(&self.torn_records_dropped),
+            segments_sealed: get(&self.segments_sealed),
             probes: get(&self.probes),
             probe_hits: get(&self.probe_hits),
             failures,

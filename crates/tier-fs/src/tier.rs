@@ -20,7 +20,7 @@ use crate::error::FsError;
 use crate::io::sync::SyncEngine;
 use crate::io::uring::UringEngine;
 use crate::io::IoEngine;
-use crate::layout::{write_or_check_namespace_file, Layout};
+use crate::layout::{new_instance_id, write_or_check_namespace_file, Layout};
 use crate::probe::Prober;
 use crate::scan::{scan, SweepPolicy};
 use crate::stats::{add, FailureKind, FsStats, StatsCell};
@@ -105,36 +105,40 @@ fn create_engines(
         .collect()
 }
 
-/// Creates the namespace directory, its config file and its fan-out directories.
+/// Creates the namespace directory and its config file.
 fn prepare_dirs(layout: &Layout, config: &FsTierConfig) -> Result<(), FsError> {
     fs::create_dir_all(layout.dir()).map_err(|e| FsError::io("mkdir", layout.dir(), 0, e))?;
-    write_or_check_namespace_file(layout, &config.namespace)?;
-    for dir in layout.fanout_dirs() {
-        match fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(FsError::io("mkdir", &dir, 0, e)),
-        }
-    }
-    Ok(())
+    write_or_check_namespace_file(layout, &config.namespace)
+}
+
+/// The bytes after which a segment takes no further record: `segment_bytes_max`, but small
+/// enough that the segments being appended (one per worker) stay a small part of the byte limit,
+/// and eviction (by whole segment) stays fine-grained.
+fn segment_bytes(config: &FsTierConfig) -> u64 {
+    let share = config.capacity_bytes / (4 * config.workers as u64);
+    share.clamp(
+        crate::format::ALIGN as u64,
+        config.segment_bytes_max.max(crate::format::ALIGN as u64),
+    )
 }
 
 impl FsTier {
     /// Starts the tier over `memory` (the host pool): checks the configuration and the namespace,
-    /// probes O_DIRECT and io_uring, scans the namespace to rebuild the index (sweeping stale
-    /// temporary files), and starts the worker. Blocks for the scan.
+    /// probes O_DIRECT and io_uring, scans the namespace to rebuild the index (recovering unsealed
+    /// segments, sweeping stale temporary files), and starts the workers. Blocks for the scan.
     pub fn start(config: FsTierConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, FsError> {
         config.validate()?;
         let layout = Layout::new(&config.root_dir, &config.namespace);
         prepare_dirs(&layout, &config)?;
-        let shared = Arc::new(Shared::new(config.capacity_bytes, &config.faults));
+        let instance = new_instance_id();
+        let shared = Arc::new(Shared::new(config.capacity_bytes, &config.faults, instance));
         let direct = config.direct_io && detect_direct(&layout, &config, &shared.stats)?;
         shared.stats.direct_io.store(direct, Ordering::Relaxed);
         let policy = SweepPolicy {
             shared: config.shared_dir,
             stale_tmp_age: config.stale_tmp_age,
         };
-        scan(&layout, policy, &mut shared.index(), &shared.stats)?;
+        let scanned = scan(&layout, policy, &mut shared.index(), &shared.stats)?;
         let engines = create_engines(&config, &shared.stats)?;
         let engine_name = engines.first().map_or("none", |e| e.name());
         // Room for every job in flight plus one Stop per worker, so sends never block.
@@ -148,6 +152,8 @@ impl FsTier {
                 durability: config.durability,
                 quiet: config.quiet,
                 batch_bytes_max: config.batch_bytes_max,
+                segment_bytes: segment_bytes(&config),
+                shared_dir: config.shared_dir,
             };
             let worker = Worker::new(engine, Arc::clone(&memory), Arc::clone(&shared), settings);
             let (jobs_rx, done_tx) = (jobs_rx.clone(), done_tx.clone());
@@ -173,6 +179,7 @@ impl FsTier {
                 Arc::clone(&shared),
                 config.probe_deadline,
                 config.probes_in_flight_max,
+                scanned,
             )?)
         } else {
             None
@@ -215,9 +222,23 @@ impl FsTier {
         self.shared.index().len()
     }
 
-    /// Bytes of the indexed chunk files.
+    /// Bytes of the indexed segment files (records, dead space and seals).
     pub fn used_bytes(&self) -> u64 {
         self.shared.index().used_bytes()
+    }
+
+    /// Segment files indexed.
+    pub fn segment_count(&self) -> usize {
+        self.shared.index().segment_count()
+    }
+
+    /// Where `key`'s record is: its segment file and the byte offset of its header (for tools
+    /// and tests that inspect the disk).
+    pub fn chunk_location(&self, key: ChunkKey) -> Option<(PathBuf, u64)> {
+        self.shared
+            .index()
+            .location(key)
+            .map(|l| ((*l.path).clone(), l.offset))
     }
 
     /// The indexed keys, least recently accessed first.

@@ -1,30 +1,34 @@
 //! The background workers: each owns an I/O engine, takes whole jobs from the shared job channel
 //! one at a time (each batch of a job's chunks in one engine submission), and sends exactly one
-//! completion per job. Several workers run jobs concurrently, so that one job's file creations
-//! and renames (slow metadata operations) overlap another's transfers; completions may therefore
-//! arrive out of submission order. Bookkeeping (index, reservations, faults) is shared under
-//! short mutex sections without I/O.
+//! completion per job. Several workers run jobs concurrently; completions may therefore arrive out
+//! of submission order. Bookkeeping (index, reservations, faults) is shared under short mutex
+//! sections without I/O.
 //!
-//! Store: reserve capacity (evicting least recently accessed chunks), copy each slot into an
-//! aligned buffer behind a header, write it to a fresh temporary file, optionally fsync, and
-//! rename it into place. Load: read each file into an aligned buffer, verify header and checksum,
-//! and only then copy the payload into the slot; a file that does not verify is removed.
+//! Store: reserve capacity (evicting the oldest segments), copy each slot into an aligned buffer
+//! behind a header, and write the records of a batch one after another into the worker's open
+//! segment (one write per record, all in one submission). Only when a record's write completed
+//! (and, with `Durability::Fsync`, the segment was flushed) does its chunk enter the index. A
+//! failed record is either the segment's tail (the next record takes its place) or is covered by
+//! a skip record so that later records stay reachable. A full segment is sealed once every write
+//! into it completed, and a new one is created. Load: read each record into an aligned buffer
+//! through a cached descriptor of its segment, verify header and checksum, and only then copy the
+//! payload into the slot; a record that does not verify leaves the index (and, in a segment this
+//! instance may modify, is covered by a skip record).
 //!
 //! Host slots are only touched through [`SlotMemory`] by the worker running the job, between the
 //! job's start and the send of its completion, so the tier never touches them after the
 //! completion is polled.
 //!
-//! Races between workers (an eviction or quarantine deleting a file another worker has just
-//! republished) can only lose a chunk, never serve wrong bytes: a later load of it misses and
-//! drops it from the index.
+//! Races between workers (an eviction deleting a segment another worker is reading through a
+//! cached descriptor) can only lose a chunk, never serve wrong bytes: every load checks the key in
+//! the record header and the payload checksum.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{self, File};
+use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -37,15 +41,20 @@ use crate::direct::{create_for_write, is_einval, open_for_read, reopen_buffered_
 use crate::error::{io_kind, FsErrorKind};
 use crate::fault::{Fault, FaultPlan, FaultSite, FaultState};
 use crate::format::{encode_into, file_bytes, verify, ALIGN, HEADER_BYTES};
-use crate::index::Index;
+use crate::index::{Index, Location, SegmentId, SegmentState, Victim};
 use crate::io::{AlignedBuf, IoEngine, IoOp, OpKind};
 use crate::layout::Layout;
+use crate::segment::{open_for_repair, write_seal, write_skip};
 use crate::stats::{add, FailureKind, StatsCell};
 
 /// The most operations in one engine submission.
 const BATCH_OPS_MAX: usize = 1024;
 /// Reap errors tolerated (with a short pause each) before the worker gives up on a batch.
 const REAP_ERRORS_MAX: u32 = 1000;
+/// Read descriptors of segments a worker keeps open (beyond it, the cache is emptied).
+const READERS_MAX: usize = 256;
+/// Bytes of the seal a segment ends with (reserved when the segment is created).
+const SEAL_BYTES: u64 = HEADER_BYTES as u64;
 
 /// State shared by the front end, the workers and the prober.
 ///
@@ -56,16 +65,22 @@ pub(crate) struct Shared {
     /// Jobs whose cancellation was requested and whose completion was not sent yet.
     pub(crate) cancelled: Mutex<HashSet<JobId>>,
     pub(crate) stats: StatsCell,
+    /// This tier instance's id (the prefix of the segments it creates).
+    pub(crate) instance: u64,
+    /// The next segment sequence number of this instance.
+    next_sequence: AtomicU32,
     /// Injected faults, shared by the workers (so that counts and limits are global).
     faults: Option<Mutex<FaultState>>,
 }
 
 impl Shared {
-    pub(crate) fn new(capacity_bytes: u64, faults: &FaultPlan) -> Self {
+    pub(crate) fn new(capacity_bytes: u64, faults: &FaultPlan, instance: u64) -> Self {
         Self {
             index: Mutex::new(Index::new(capacity_bytes)),
             cancelled: Mutex::new(HashSet::new()),
             stats: StatsCell::default(),
+            instance,
+            next_sequence: AtomicU32::new(0),
             faults: (!faults.is_empty()).then(|| Mutex::new(FaultState::new(faults))),
         }
     }
@@ -93,7 +108,7 @@ impl Shared {
 pub(crate) enum Msg {
     /// Run this job and send its completion.
     Job(TierJob),
-    /// Exit the loop (after every earlier job).
+    /// Exit the loop (after every earlier job), sealing the open segment.
     Stop,
 }
 
@@ -103,6 +118,10 @@ pub(crate) struct WorkerSettings {
     pub(crate) durability: Durability,
     pub(crate) quiet: bool,
     pub(crate) batch_bytes_max: usize,
+    /// A segment takes no further record once it holds this many bytes.
+    pub(crate) segment_bytes: u64,
+    /// Other instances share the directory: only this instance's segments are modified.
+    pub(crate) shared_dir: bool,
 }
 
 /// The failed keys of a job, each once, in first-failure order.
@@ -167,29 +186,37 @@ type Chunk = (ChunkKey, SlotId, u32);
 /// Runs one batch of a job's chunks.
 type BatchFn = fn(&mut Worker, &[Chunk], &mut Failed);
 
-/// One chunk's file operation in flight.
+/// A segment this worker appends to.
+struct OpenSegment {
+    id: SegmentId,
+    path: Arc<PathBuf>,
+    file: Arc<File>,
+    direct: bool,
+    /// Where the next record goes (the end of the records written or in flight).
+    cursor: u64,
+    /// Takes no further record (full, or a write into it failed); sealed after the batch.
+    closed: bool,
+}
+
+/// One record's file operation in flight.
 struct Pending {
     key: ChunkKey,
     slot: SlotId,
     len: u32,
-    /// File bytes (header and padding included).
+    /// Record bytes (header and padding included).
     bytes: u64,
-    /// The temporary file (store) or the chunk file (load).
-    path: PathBuf,
-    /// Kept open until the operation's completion is reaped (`None` only after the engine lost
-    /// the operation: the descriptor is then leaked on purpose, see [`Worker::execute`]).
-    file: Option<File>,
+    /// The record's offset in its segment.
+    offset: u64,
+    /// Store: the index of the segment in the worker's `segments`. Load: unused.
+    segment: usize,
+    /// Load: where the record is.
+    location: Option<Location>,
+    /// Kept open until the operation's completion is reaped.
+    file: Arc<File>,
     direct: bool,
     retried: bool,
     /// A fault to apply when the read completes (corruption of the buffer).
     corrupt_after_read: bool,
-}
-
-impl Pending {
-    /// The descriptor the operation uses (-1, which fails with EBADF, after a lost operation).
-    fn fd(&self) -> RawFd {
-        self.file.as_ref().map_or(-1, AsRawFd::as_raw_fd)
-    }
 }
 
 /// An operation ready to run, or one whose injected error stands for its completion.
@@ -198,7 +225,6 @@ enum Ready {
     Injected(io::Error, AlignedBuf),
 }
 
-/// One worker: runs jobs on its own thread with its own I/O engine.
 /// What `store_done` and `load_done` are: they take one completed operation and return the
 /// operation to retry, if any.
 type CompletionHandler = fn(
@@ -209,6 +235,18 @@ type CompletionHandler = fn(
     &mut Failed,
 ) -> Option<(Pending, Ready)>;
 
+/// The outcome of one record write of a batch.
+struct Written {
+    key: ChunkKey,
+    len: u32,
+    segment: usize,
+    offset: u64,
+    bytes: u64,
+    /// `None`: written; else why it failed.
+    failure: Option<FailureKind>,
+}
+
+/// One worker: runs jobs on its own thread with its own I/O engine.
 pub(crate) struct Worker {
     engine: Box<dyn IoEngine>,
     memory: Arc<dyn SlotMemory>,
@@ -216,6 +254,13 @@ pub(crate) struct Worker {
     settings: WorkerSettings,
     pool: BufPool,
     next_tag: u64,
+    /// Segments being appended: the last one is the open segment; earlier ones (and a closed
+    /// last one) are sealed at the end of the batch.
+    segments: Vec<OpenSegment>,
+    /// The record writes of the batch in progress.
+    written: Vec<Written>,
+    /// Read descriptors by segment, with whether they use O_DIRECT.
+    readers: HashMap<SegmentId, (Arc<File>, bool)>,
 }
 
 fn failure_of(error: &io::Error) -> FailureKind {
@@ -244,10 +289,13 @@ impl Worker {
             settings,
             pool,
             next_tag: 0,
+            segments: Vec::new(),
+            written: Vec::new(),
+            readers: HashMap::new(),
         }
     }
 
-    /// Runs jobs until `Stop` or until the front end is gone.
+    /// Runs jobs until `Stop` or until the front end is gone, then seals the open segment.
     pub(crate) fn run(mut self, jobs: Receiver<Msg>, done: Sender<TierCompletion>) {
         while let Ok(msg) = jobs.recv() {
             let job = match msg {
@@ -261,14 +309,18 @@ impl Worker {
                 break;
             }
         }
+        self.seal_all();
     }
 
     /// The completion of a job whose run panicked: every key failed.
-    fn panicked(&self, job: &TierJob) -> TierCompletion {
+    fn panicked(&mut self, job: &TierJob) -> TierCompletion {
         let mut failed = Failed::default();
         for &(key, _, _) in &job.chunks {
             failed.add(self.stats(), key, FailureKind::Io);
         }
+        // Whatever the batch had in flight is not indexed; its segments are sealed as they are.
+        self.written.clear();
+        self.seal_all();
         self.shared.cancelled().remove(&job.id);
         TierCompletion {
             id: job.id,
@@ -297,8 +349,8 @@ impl Worker {
         }
     }
 
-    /// Splits `chunks` into batches of at most `batch_bytes_max` file bytes (at least one chunk)
-    /// and [`BATCH_OPS_MAX`] chunks; returns the end of the batch starting at `start`.
+    /// Splits `chunks` into batches of at most `batch_bytes_max` record bytes (at least one
+    /// chunk) and [`BATCH_OPS_MAX`] chunks; returns the end of the batch starting at `start`.
     fn batch_end(&self, chunks: &[Chunk], start: usize) -> usize {
         let mut bytes = 0u64;
         let mut end = start;
@@ -332,6 +384,7 @@ impl Worker {
     // ---------------------------------------------------------------- store
 
     fn store(&mut self, job: &TierJob, failed: &mut Failed) {
+        self.prune_readers();
         let mut seen = HashSet::new();
         let mut todo = Vec::new();
         {
@@ -353,72 +406,70 @@ impl Worker {
     }
 
     fn store_batch(&mut self, chunks: &[Chunk], failed: &mut Failed) {
-        let mut victims = Vec::new();
-        let mut accepted = Vec::new();
-        {
-            let mut index = self.shared.index();
-            for &(key, slot, len) in chunks {
-                let bytes = file_bytes(u64::from(len));
-                match index.reserve(bytes, &|_| false) {
-                    Some(evicted) => {
-                        victims.extend(evicted);
-                        accepted.push((key, slot, len, bytes));
-                    }
-                    None => failed.add(&self.shared.stats, key, FailureKind::Capacity),
-                }
-            }
-        }
-        for (key, bytes) in victims {
-            // A file already gone is as good as deleted.
-            let _ = fs::remove_file(self.settings.layout.chunk_path(key));
-            add(&self.stats().evictions, 1);
-            add(&self.stats().evicted_bytes, bytes);
-        }
-        let mut items = Vec::with_capacity(accepted.len());
-        for (key, slot, len, bytes) in accepted {
-            match self.prepare_store(key, slot, len, bytes) {
+        let mut items = Vec::with_capacity(chunks.len());
+        for &(key, slot, len) in chunks {
+            match self.place(key, slot, len) {
                 Ok(item) => items.push(item),
-                Err(kind) => {
-                    self.shared.index().release(bytes);
-                    failed.add(self.stats(), key, kind);
-                }
+                Err(kind) => failed.add(self.stats(), key, kind),
             }
         }
         self.run_to_completion(items, Self::store_done, failed);
+        self.finish_batch(failed);
     }
 
-    /// Opens the temporary file and fills the buffer; a failure has removed the temporary file.
-    fn prepare_store(
+    /// Deletes (or forgets) evicted segments.
+    fn evict(&mut self, victims: Vec<Victim>) {
+        for victim in victims {
+            if victim.delete {
+                // A file already gone is as good as deleted.
+                let _ = std::fs::remove_file(&*victim.path);
+            }
+            add(&self.stats().evictions, victim.chunks);
+            add(&self.stats().evicted_bytes, victim.bytes);
+        }
+    }
+
+    /// Reserves room for a record, places it in the open segment (creating one when needed) and
+    /// fills its buffer. A failure has released what it reserved.
+    fn place(
         &mut self,
         key: ChunkKey,
         slot: SlotId,
         len: u32,
-        bytes: u64,
     ) -> Result<(Pending, Ready), FailureKind> {
-        let path = self.settings.layout.temp_path(key);
-        let direct = self.direct();
-        let opened = match self.shared.fault(FaultSite::Open, key, direct) {
-            Some(fault) => Err(fault_error(fault)),
-            None => create_for_write(&path, direct),
-        };
-        let (file, direct) = match opened {
-            Ok(file) => (file, direct),
-            Err(e) if is_einval(&e) && direct => {
-                self.fall_back(&format!("open {path:?} with O_DIRECT: {e}"));
-                // EINVAL may come after the file was created; the name is ours alone.
-                let _ = fs::remove_file(&path);
-                match create_for_write(&path, false) {
-                    Ok(file) => (file, false),
-                    Err(e) => return Err(self.discard_temp(&path, &e)),
-                }
+        let bytes = file_bytes(u64::from(len));
+        let need_new = match self.segments.last() {
+            None => true,
+            Some(seg) => {
+                seg.closed || (seg.cursor > 0 && seg.cursor + bytes > self.settings.segment_bytes)
             }
-            Err(e) => return Err(self.discard_temp(&path, &e)),
         };
+        let reserve = bytes + if need_new { SEAL_BYTES } else { 0 };
+        let victims = self
+            .shared
+            .index()
+            .reserve(reserve)
+            .ok_or(FailureKind::Capacity)?;
+        self.evict(victims);
+        if need_new {
+            if let Some(last) = self.segments.last_mut() {
+                last.closed = true;
+            }
+            if let Err(kind) = self.open_segment() {
+                self.shared.index().release(reserve);
+                return Err(kind);
+            }
+        }
+        let at = self.segments.len() - 1;
+        if let Err(kind) = self.prepare_segment(at, key) {
+            self.shared.index().release(bytes);
+            return Err(kind);
+        }
         let mut buf = match self.pool.get(bytes as usize) {
             Ok(buf) => buf,
             Err(e) => {
-                drop(file);
-                return Err(self.discard_temp(&path, &e));
+                self.shared.index().release(bytes);
+                return Err(failure_of(&e));
             }
         };
         let memory = &self.memory;
@@ -427,26 +478,105 @@ impl Worker {
         });
         debug_assert_eq!(total as u64, bytes);
         buf.set_len(total);
+        let seg = &mut self.segments[at];
+        let offset = seg.cursor;
+        seg.cursor += bytes;
         let pending = Pending {
             key,
             slot,
             len,
             bytes,
-            path,
-            file: Some(file),
-            direct,
+            offset,
+            segment: at,
+            location: None,
+            file: Arc::clone(&seg.file),
+            direct: seg.direct,
             retried: false,
             corrupt_after_read: false,
         };
         Ok(self.write_item(pending, buf))
     }
 
-    fn discard_temp(&self, path: &std::path::Path, error: &io::Error) -> FailureKind {
-        let _ = fs::remove_file(path);
+    /// Makes segment `at` ready for `key`'s record: buffered if the root switched, with the
+    /// injected open faults (the open site stands for preparing the file for this record).
+    fn prepare_segment(&mut self, at: usize, key: ChunkKey) -> Result<(), FailureKind> {
+        if self.segments[at].direct && !self.direct() {
+            self.reopen_buffered(at).map_err(|e| failure_of(&e))?;
+        }
+        let direct = self.segments[at].direct;
+        match self.shared.fault(FaultSite::Open, key, direct) {
+            Some(Fault::Einval) => {
+                let path = Arc::clone(&self.segments[at].path);
+                self.fall_back(&format!("open {path:?} with O_DIRECT: injected EINVAL"));
+                add(&self.stats().buffered_retries, 1);
+                self.reopen_buffered(at).map_err(|e| failure_of(&e))
+            }
+            Some(fault) => Err(failure_of(&fault_error(fault))),
+            None => Ok(()),
+        }
+    }
+
+    /// Creates a new segment file (O_EXCL; EINVAL from O_DIRECT falls back to buffered) and
+    /// makes it the open segment.
+    fn open_segment(&mut self) -> Result<(), FailureKind> {
+        let sequence = self.shared.next_sequence.fetch_add(1, Ordering::Relaxed);
+        let path = self
+            .settings
+            .layout
+            .segment_path(self.shared.instance, sequence);
+        let direct = self.direct();
+        let (file, direct) = match create_for_write(&path, direct) {
+            Ok(file) => (file, direct),
+            Err(e) if is_einval(&e) && direct => {
+                self.fall_back(&format!("open {path:?} with O_DIRECT: {e}"));
+                // EINVAL may come after the file was created; the name is ours alone.
+                let _ = std::fs::remove_file(&path);
+                match create_for_write(&path, false) {
+                    Ok(file) => (file, false),
+                    Err(e) => return Err(self.discard(&path, &e)),
+                }
+            }
+            Err(e) => return Err(self.discard(&path, &e)),
+        };
+        if self.settings.durability == Durability::Fsync {
+            let synced = path
+                .parent()
+                .map(|dir| File::open(dir).and_then(|d| d.sync_all()));
+            if let Some(Err(e)) = synced {
+                drop(file);
+                return Err(self.discard(&path, &e));
+            }
+        }
+        let id = self
+            .shared
+            .index()
+            .add_segment(&path, 0, SegmentState::Writing);
+        self.segments.push(OpenSegment {
+            id,
+            path: Arc::new(path),
+            file: Arc::new(file),
+            direct,
+            cursor: 0,
+            closed: false,
+        });
+        Ok(())
+    }
+
+    fn discard(&self, path: &std::path::Path, error: &io::Error) -> FailureKind {
+        let _ = std::fs::remove_file(path);
         failure_of(error)
     }
 
-    /// The write of a prepared store, with the write faults applied.
+    /// Reopens segment `at` without O_DIRECT (after EINVAL, or once the root switched).
+    fn reopen_buffered(&mut self, at: usize) -> io::Result<()> {
+        let seg = &mut self.segments[at];
+        let file = reopen_buffered_for_write(&seg.path)?;
+        seg.file = Arc::new(file);
+        seg.direct = false;
+        Ok(())
+    }
+
+    /// The write of a placed record, with the write faults applied.
     fn write_item(&mut self, pending: Pending, mut buf: AlignedBuf) -> (Pending, Ready) {
         let mut len = pending.bytes as usize;
         match self
@@ -462,103 +592,189 @@ impl Worker {
         let op = IoOp {
             tag: self.tag(),
             kind: OpKind::Write,
-            fd: pending.fd(),
-            offset: 0,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&*pending.file),
+            offset: pending.offset,
             len,
             buf,
         };
         (pending, Ready::Op(op))
     }
 
-    /// Handles a store's completion; returns the operation to retry buffered after EINVAL.
+    /// Handles a record write's completion; returns the operation to retry buffered after EINVAL.
     fn store_done(
         &mut self,
         mut pending: Pending,
         result: io::Result<usize>,
         buf: AlignedBuf,
-        failed: &mut Failed,
+        _failed: &mut Failed,
     ) -> Option<(Pending, Ready)> {
-        match result {
-            Ok(n) if n as u64 == pending.bytes => {
-                self.pool.put(buf);
-                self.publish(pending, failed);
-                None
-            }
-            Ok(_) => {
-                self.pool.put(buf);
-                self.abandon_store(pending, FailureKind::ShortWrite, failed);
-                None
-            }
+        let failure = match result {
+            Ok(n) if n as u64 == pending.bytes => None,
+            Ok(_) => Some(FailureKind::ShortWrite),
             Err(e) if is_einval(&e) && pending.direct && !pending.retried => {
-                self.fall_back(&format!("write {:?} at offset 0: {e}", pending.path));
-                match reopen_buffered_for_write(&pending.path) {
-                    Ok(file) => {
+                let at = pending.segment;
+                self.fall_back(&format!(
+                    "write {:?} at offset {}: {e}",
+                    self.segments[at].path, pending.offset
+                ));
+                let reopened = if self.segments[at].direct {
+                    self.reopen_buffered(at)
+                } else {
+                    Ok(())
+                };
+                match reopened {
+                    Ok(()) => {
                         add(&self.stats().buffered_retries, 1);
-                        pending.file = Some(file);
+                        pending.file = Arc::clone(&self.segments[at].file);
                         pending.direct = false;
                         pending.retried = true;
-                        Some(self.write_item(pending, buf))
+                        return Some(self.write_item(pending, buf));
                     }
-                    Err(e) => {
-                        self.pool.put(buf);
-                        self.abandon_store(pending, failure_of(&e), failed);
-                        None
-                    }
+                    Err(e) => Some(failure_of(&e)),
                 }
             }
-            Err(e) => {
-                self.pool.put(buf);
-                self.abandon_store(pending, failure_of(&e), failed);
-                None
-            }
+            Err(e) => Some(failure_of(&e)),
+        };
+        self.pool.put(buf);
+        self.written.push(Written {
+            key: pending.key,
+            len: pending.len,
+            segment: pending.segment,
+            offset: pending.offset,
+            bytes: pending.bytes,
+            failure,
+        });
+        None
+    }
+
+    /// After every write of a batch completed: flushes (with `Durability::Fsync`), indexes the
+    /// written records, covers dead space before a good record with a skip record (or rewinds the
+    /// segment over a failed tail), and seals the segments that take no further record.
+    fn finish_batch(&mut self, failed: &mut Failed) {
+        let mut written = std::mem::take(&mut self.written);
+        written.sort_by_key(|w| (w.segment, w.offset));
+        let mut start = 0;
+        while start < written.len() {
+            let at = written[start].segment;
+            let end = start + written[start..].partition_point(|w| w.segment == at);
+            self.finish_segment(at, &mut written[start..end], failed);
+            start = end;
+        }
+        let keep_last = self
+            .segments
+            .last()
+            .is_some_and(|s| !s.closed && s.cursor < self.settings.segment_bytes);
+        let done = self.segments.len() - usize::from(keep_last);
+        let sealing: Vec<OpenSegment> = self.segments.drain(..done).collect();
+        for seg in sealing {
+            self.seal(seg);
         }
     }
 
-    /// Removes a failed store's temporary file and gives back its reservation.
-    fn abandon_store(&mut self, pending: Pending, kind: FailureKind, failed: &mut Failed) {
-        drop(pending.file);
-        let _ = fs::remove_file(&pending.path);
-        self.shared.index().release(pending.bytes);
-        failed.add(self.stats(), pending.key, kind);
-    }
-
-    /// Makes a fully written temporary file the chunk file (fsync around the rename if asked).
-    fn publish(&mut self, pending: Pending, failed: &mut Failed) {
+    /// Finishes the batch's records of segment `at`, which are in offset order.
+    fn finish_segment(&mut self, at: usize, records: &mut [Written], failed: &mut Failed) {
         let durable = self.settings.durability == Durability::Fsync;
-        if durable {
-            let synced = pending.file.as_ref().map_or(Ok(()), File::sync_all);
-            if let Err(e) = synced {
-                let kind = failure_of(&e);
-                self.abandon_store(pending, kind, failed);
-                return;
+        if durable && records.iter().any(|w| w.failure.is_none()) {
+            if let Err(e) = self.segments[at].file.sync_data() {
+                for w in records.iter_mut().filter(|w| w.failure.is_none()) {
+                    w.failure = Some(failure_of(&e));
+                }
+                self.segments[at].closed = true;
             }
         }
-        let final_path = self.settings.layout.chunk_path(pending.key);
-        if let Err(e) = fs::rename(&pending.path, &final_path) {
-            let kind = failure_of(&e);
-            self.abandon_store(pending, kind, failed);
+        let good_end = records
+            .iter()
+            .filter(|w| w.failure.is_none())
+            .map(|w| w.offset + w.bytes)
+            .max();
+        let (id, file) = (self.segments[at].id, Arc::clone(&self.segments[at].file));
+        let mut rewind_to = None;
+        for w in records.iter() {
+            let Some(kind) = w.failure else {
+                let mut index = self.shared.index();
+                index.release(w.bytes);
+                index.grow_segment(id, w.offset + w.bytes);
+                index.insert(w.key, id, w.offset, w.bytes);
+                drop(index);
+                add(&self.stats().chunks_stored, 1);
+                add(&self.stats().bytes_stored, u64::from(w.len));
+                continue;
+            };
+            failed.add(self.stats(), w.key, kind);
+            if good_end.is_some_and(|end| w.offset < end) {
+                // Dead space before a good record: a skip record keeps later records reachable
+                // by the start-up scan (if it cannot be written, the scan cuts the segment there,
+                // which only loses chunks).
+                if write_skip(&file, w.offset, w.bytes).is_err() {
+                    self.segments[at].closed = true;
+                }
+                let mut index = self.shared.index();
+                index.release(w.bytes);
+                index.grow_segment(id, w.offset + w.bytes);
+            } else {
+                self.shared.index().release(w.bytes);
+                rewind_to = Some(rewind_to.map_or(w.offset, |r: u64| r.min(w.offset)));
+            }
+        }
+        if let Some(offset) = rewind_to {
+            // The failed tail is given back: the next record (or the seal) goes there.
+            let seg = &mut self.segments[at];
+            seg.cursor = offset;
+            let _ = seg.file.set_len(offset);
+        }
+    }
+
+    /// Seals a segment that takes no further record (or removes it if it holds none).
+    fn seal(&mut self, seg: OpenSegment) {
+        if seg.cursor == 0 {
+            let _ = std::fs::remove_file(&*seg.path);
+            let mut index = self.shared.index();
+            index.remove_segment(seg.id);
+            index.release(SEAL_BYTES);
             return;
         }
-        if durable {
-            let synced = final_path
-                .parent()
-                .map(|dir| File::open(dir).and_then(|d| d.sync_all()));
-            if let Some(Err(e)) = synced {
-                let _ = fs::remove_file(&final_path);
-                let kind = failure_of(&e);
-                self.abandon_store(pending, kind, failed);
-                return;
+        let durable = self.settings.durability == Durability::Fsync;
+        let sealed = write_seal(&seg.file, seg.cursor).and_then(|()| {
+            if durable {
+                seg.file.sync_data()
+            } else {
+                Ok(())
             }
+        });
+        let mut index = self.shared.index();
+        index.release(SEAL_BYTES);
+        if sealed.is_ok() {
+            // Unsealed (a failed seal write), it is recovered by the next start's scan.
+            index.grow_segment(seg.id, seg.cursor + SEAL_BYTES);
         }
-        self.shared.index().commit(pending.key, pending.bytes);
-        add(&self.stats().chunks_stored, 1);
-        add(&self.stats().bytes_stored, u64::from(pending.len));
+        index.set_state(seg.id, SegmentState::Sealed);
+        drop(index);
+        add(&self.stats().segments_sealed, 1);
+    }
+
+    /// Seals every segment this worker appends to (at shutdown).
+    fn seal_all(&mut self) {
+        let sealing: Vec<OpenSegment> = self.segments.drain(..).collect();
+        for seg in sealing {
+            self.seal(seg);
+        }
     }
 
     // ---------------------------------------------------------------- load
 
     fn load(&mut self, job: &TierJob, failed: &mut Failed) {
+        self.prune_readers();
         self.batches(job, &job.chunks, failed, Self::load_batch);
+    }
+
+    /// Closes cached descriptors of segments that left the index (so their space is freed).
+    fn prune_readers(&mut self) {
+        if self.readers.is_empty() {
+            return;
+        }
+        let index = self.shared.index();
+        self.readers
+            .retain(|id, _| index.segment_path(*id).is_some());
     }
 
     fn load_batch(&mut self, chunks: &[Chunk], failed: &mut Failed) {
@@ -572,6 +788,23 @@ impl Worker {
         self.run_to_completion(items, Self::load_done, failed);
     }
 
+    /// A read descriptor of `location`'s segment (cached), with or without O_DIRECT.
+    fn reader(&mut self, location: &Location, direct: bool) -> io::Result<(Arc<File>, bool)> {
+        if let Some((file, cached_direct)) = self.readers.get(&location.segment) {
+            if *cached_direct == direct {
+                return Ok((Arc::clone(file), direct));
+            }
+        }
+        let file = Arc::new(open_for_read(&location.path, direct)?);
+        if self.readers.len() >= READERS_MAX {
+            // Operations in flight hold their own reference; nothing they use is closed.
+            self.readers.clear();
+        }
+        self.readers
+            .insert(location.segment, (Arc::clone(&file), direct));
+        Ok((file, direct))
+    }
+
     fn prepare_load(
         &mut self,
         key: ChunkKey,
@@ -579,33 +812,34 @@ impl Worker {
         len: u32,
     ) -> Result<(Pending, Ready), FailureKind> {
         let bytes = file_bytes(u64::from(len));
-        let stored = {
+        let location = {
             let mut index = self.shared.index();
-            let stored = index.file_bytes(key);
+            let location = index.location(key);
             index.touch(key);
-            stored
+            location
         };
-        match stored {
-            None => return Err(FailureKind::Missing),
-            Some(s) if s != bytes => return Err(FailureKind::LengthMismatch),
-            Some(_) => {}
+        let Some(location) = location else {
+            return Err(FailureKind::Missing);
+        };
+        if location.bytes != bytes {
+            return Err(FailureKind::LengthMismatch);
         }
-        let path = self.settings.layout.chunk_path(key);
         let direct = self.direct();
         let opened = match self.shared.fault(FaultSite::Open, key, direct) {
             Some(fault) => Err(fault_error(fault)),
-            None => open_for_read(&path, direct),
+            None => self.reader(&location, direct),
         };
         let (file, direct) = match opened {
-            Ok(file) => (file, direct),
+            Ok(opened) => opened,
             Err(e) if is_einval(&e) && direct => {
-                self.fall_back(&format!("open {path:?} with O_DIRECT: {e}"));
-                match open_for_read(&path, false) {
-                    Ok(file) => (file, false),
-                    Err(e) => return Err(self.open_failed(key, &e)),
+                self.fall_back(&format!("open {:?} with O_DIRECT: {e}", location.path));
+                add(&self.stats().buffered_retries, 1);
+                match self.reader(&location, false) {
+                    Ok(opened) => opened,
+                    Err(e) => return Err(self.open_failed(&location, &e)),
                 }
             }
-            Err(e) => return Err(self.open_failed(key, &e)),
+            Err(e) => return Err(self.open_failed(&location, &e)),
         };
         let buf = self.pool.get(bytes as usize).map_err(|e| failure_of(&e))?;
         let pending = Pending {
@@ -613,8 +847,10 @@ impl Worker {
             slot,
             len,
             bytes,
-            path,
-            file: Some(file),
+            offset: location.offset,
+            segment: 0,
+            location: Some(location),
+            file,
             direct,
             retried: false,
             corrupt_after_read: false,
@@ -622,10 +858,10 @@ impl Worker {
         Ok(self.read_item(pending, buf))
     }
 
-    fn open_failed(&self, key: ChunkKey, error: &io::Error) -> FailureKind {
+    fn open_failed(&self, location: &Location, error: &io::Error) -> FailureKind {
         if error.kind() == io::ErrorKind::NotFound {
             // Gone (evicted by another instance sharing the directory): drop it from the index.
-            self.shared.index().remove(key);
+            self.shared.index().remove_segment(location.segment);
             return FailureKind::Missing;
         }
         failure_of(error)
@@ -647,8 +883,8 @@ impl Worker {
         let op = IoOp {
             tag: self.tag(),
             kind: OpKind::Read,
-            fd: pending.fd(),
-            offset: 0,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&*pending.file),
+            offset: pending.offset,
             len,
             buf,
         };
@@ -670,25 +906,29 @@ impl Worker {
                 None
             }
             Err(e) if is_einval(&e) && pending.direct && !pending.retried => {
-                self.fall_back(&format!("read {:?} at offset 0: {e}", pending.path));
-                match open_for_read(&pending.path, false) {
-                    Ok(file) => {
+                let location = pending.location.clone()?;
+                self.fall_back(&format!(
+                    "read {:?} at offset {}: {e}",
+                    location.path, location.offset
+                ));
+                match self.reader(&location, false) {
+                    Ok((file, _)) => {
                         add(&self.stats().buffered_retries, 1);
-                        pending.file = Some(file);
+                        pending.file = file;
                         pending.direct = false;
                         pending.retried = true;
                         Some(self.read_item(pending, buf))
                     }
                     Err(e) => {
                         self.pool.put(buf);
-                        let kind = self.open_failed(pending.key, &e);
+                        let kind = self.open_failed(&location, &e);
                         failed.add(self.stats(), pending.key, kind);
                         None
                     }
                 }
             }
             Err(e) => {
-                // EIO and the like may be transient: the key fails, the file stays.
+                // EIO and the like may be transient: the key fails, the record stays.
                 self.pool.put(buf);
                 failed.add(self.stats(), pending.key, failure_of(&e));
                 None
@@ -697,7 +937,7 @@ impl Worker {
     }
 
     /// Verifies `n` bytes read for `pending` and copies the payload into its slot; a short or
-    /// corrupt file is removed.
+    /// corrupt record is quarantined.
     fn verify_and_copy(
         &mut self,
         pending: &Pending,
@@ -707,7 +947,7 @@ impl Worker {
     ) {
         let key = pending.key;
         if (n as u64) < pending.bytes {
-            self.quarantine(key, &pending.path);
+            self.quarantine(key, pending.location.as_ref());
             failed.add(self.stats(), key, FailureKind::ShortRead);
             return;
         }
@@ -731,17 +971,45 @@ impl Worker {
                 failed.add(self.stats(), key, FailureKind::LengthMismatch)
             }
             Err(_) => {
-                self.quarantine(key, &pending.path);
+                self.quarantine(key, pending.location.as_ref());
                 failed.add(self.stats(), key, FailureKind::Corrupt);
             }
         }
     }
 
-    /// Removes a chunk whose file does not verify, from the index and the disk.
-    fn quarantine(&self, key: ChunkKey, path: &std::path::Path) {
-        self.shared.index().remove(key);
-        let _ = fs::remove_file(path);
+    /// Drops a record that does not verify from the index and, in a segment this instance may
+    /// modify, covers it with a skip record so that no later start indexes it again.
+    fn quarantine(&self, key: ChunkKey, location: Option<&Location>) {
         add(&self.stats().quarantined, 1);
+        let Some(location) = location else {
+            return;
+        };
+        {
+            let mut index = self.shared.index();
+            let same = index
+                .location(key)
+                .is_some_and(|l| l.segment == location.segment && l.offset == location.offset);
+            if same {
+                index.remove(key);
+            }
+        }
+        if self.may_modify(&location.path) {
+            if let Ok(file) = open_for_repair(&location.path) {
+                let _ = write_skip(&file, location.offset, location.bytes);
+            }
+        }
+    }
+
+    /// Whether this instance may write into the segment at `path`: every segment in a private
+    /// directory, only its own in a shared one.
+    fn may_modify(&self, path: &std::path::Path) -> bool {
+        if !self.settings.shared_dir {
+            return true;
+        }
+        let own = format!("{:016x}-", self.shared.instance);
+        path.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(&own))
     }
 
     // ---------------------------------------------------------------- engine
@@ -840,12 +1108,11 @@ impl Worker {
                 results.push((pending, completion.result, completion.buf));
             }
         }
-        for (_, mut pending) in waiting {
-            // The engine still owns the operation and its buffer: leak the descriptor so that
-            // its number is not reused while the engine may still use it, and fail the chunk.
-            if let Some(file) = pending.file.take() {
-                let _ = file.into_raw_fd();
-            }
+        for (_, pending) in waiting {
+            // The engine still owns the operation and its buffer: leak a reference to the
+            // descriptor so that its number is not reused while the engine may still use it, and
+            // fail the chunk.
+            std::mem::forget(Arc::clone(&pending.file));
             let error = io::Error::other("the I/O engine lost the operation");
             results.push((pending, Err(error), AlignedBuf::with_capacity(0)));
         }

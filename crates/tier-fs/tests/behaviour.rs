@@ -61,9 +61,11 @@ fn round_trip(engine: EngineChoice) {
         assert_eq!(rig.lookup(k), TierLookup::Hit);
     }
     load_and_check(&mut rig, &chunks);
-    // Files: one per chunk, padded to 4 KiB, no temporary left.
+    // One segment holds the four records, padded to 4 KiB; no temporary left.
     let root = dir.path();
-    assert_eq!(files_with_suffix(root, ".kv").len(), 4);
+    assert_eq!(rig.tier.chunk_count(), 4);
+    assert_eq!(files_with_suffix(root, ".seg").len(), 1);
+    assert_eq!(rig.tier.segment_count(), 1);
     assert!(files_with_suffix(root, ".tmp").is_empty());
     assert_eq!(chunk_file_bytes(root), rig.tier.used_bytes());
     assert_eq!(chunk_file_bytes(root) % 4096, 0);
@@ -124,25 +126,18 @@ fn stale_temp_files_are_swept(engine: EngineChoice) {
         assert!(rig.store(&[(key(1), 0, FULL, 1)]).is_success());
         namespace_dir = rig.tier.namespace_dir().to_owned();
     }
-    let fanout = files_with_suffix(&namespace_dir, ".kv")[0]
-        .parent()
-        .unwrap()
-        .to_owned();
     let stale = [
-        fanout.join("0123456789abcdef-0.kv.999-1.tmp"),
-        fanout.join("fedcba9876543210-2.kv.999-2.tmp"),
         namespace_dir.join("namespace.json.999-3.tmp"),
+        namespace_dir.join("direct-probe.999-4.tmp"),
     ];
     for path in &stale {
-        fs::write(path, b"half a chunk").unwrap();
+        fs::write(path, b"half a file").unwrap();
     }
-    // A file named like a chunk but of an impossible size is removed too.
-    let junk = fanout.join(format!(
-        "{}-0.kv",
-        fanout.file_name().unwrap().to_string_lossy().repeat(8)
-    ));
+    // A file named like a segment without a single record in it is removed too.
+    let junk = namespace_dir.join("00000000000000aa-00000000.seg");
     fs::write(&junk, b"junk").unwrap();
-    // In a shared directory, fresh temporary files may belong to a live instance: kept.
+    // In a shared directory, fresh temporary files and unsealed segments may belong to a live
+    // instance: kept.
     {
         let shared = FsTierConfig {
             shared_dir: true,
@@ -150,7 +145,8 @@ fn stale_temp_files_are_swept(engine: EngineChoice) {
         };
         let rig = Rig::start(shared);
         assert_eq!(rig.tier.stats().tmp_removed_at_start, 0);
-        assert_eq!(files_with_suffix(dir.path(), ".tmp").len(), 3);
+        assert_eq!(files_with_suffix(dir.path(), ".tmp").len(), 2);
+        assert!(junk.exists());
     }
     let mut rig = Rig::start(config(dir.path(), engine));
     let stats = rig.tier.stats();
@@ -164,7 +160,9 @@ fn stale_temp_files_are_swept(engine: EngineChoice) {
 
 fn capacity_evicts_least_recently_used(engine: EngineChoice) {
     let dir = tempfile::tempdir().unwrap();
-    let capacity = 5 * FULL_FILE_BYTES;
+    // Segments are kept under capacity / (4 * workers), smaller than a chunk here: each chunk
+    // lands in its own segment (its record and a seal), so eviction is per chunk.
+    let capacity = 5 * (FULL_FILE_BYTES + SEAL_BYTES);
     let mut rig = Rig::start(FsTierConfig {
         capacity_bytes: capacity,
         ..config(dir.path(), engine)
@@ -244,10 +242,15 @@ fn enospc_fails_cleanly(engine: EngineChoice) {
         let done = rig.store(&chunks);
         assert_eq!(done.failed, vec![key(2)], "{site:?}");
         assert!(files_with_suffix(dir.path(), ".tmp").is_empty(), "{site:?}");
-        assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 3, "{site:?}");
+        assert_eq!(rig.tier.chunk_count(), 3, "{site:?}");
         assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
         assert_eq!(rig.tier.used_bytes(), chunk_file_bytes(dir.path()));
         assert_eq!(rig.tier.stats().failures_of(FailureKind::NoSpace), 1);
+        // The failed record's space is skipped: a restart still finds the records after it.
+        drop(rig);
+        let mut rig = faulty(engine, dir.path(), Vec::new());
+        assert_eq!(rig.tier.chunk_count(), 3, "{site:?}: after a restart");
+        assert_eq!(rig.tier.stats().open_segments_recovered, 0, "{site:?}");
         // The tier still works: the same key stores and everything loads.
         assert!(rig.store(&chunks).is_success());
         load_and_check(&mut rig, &chunks);
@@ -282,7 +285,8 @@ fn short_write_fails_the_key(engine: EngineChoice) {
     let chunks = four_chunks();
     assert_eq!(rig.store(&chunks).failed, vec![key(1)]);
     assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
-    assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 3);
+    assert_eq!(rig.tier.chunk_count(), 3);
+    assert_eq!(rig.tier.used_bytes(), chunk_file_bytes(dir.path()));
     assert_eq!(rig.lookup(key(1)), TierLookup::Miss);
     assert_eq!(rig.tier.stats().failures_of(FailureKind::ShortWrite), 1);
     assert!(rig.store(&chunks).is_success());
@@ -301,7 +305,7 @@ fn short_read_removes_the_file(engine: EngineChoice) {
         assert!(rig.slot_is(slot + 8, len, seed));
     }
     assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
-    assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 3);
+    assert_eq!(rig.tier.chunk_count(), 3);
     let stats = rig.tier.stats();
     assert_eq!(stats.failures_of(FailureKind::ShortRead), 1);
     assert_eq!(stats.quarantined, 1);
@@ -317,18 +321,10 @@ fn corruption_is_detected_and_quarantined(engine: EngineChoice) {
     let mut rig = faulty(engine, dir.path(), rules);
     let chunks = four_chunks();
     assert!(rig.store(&chunks).is_success());
-    // Damage key(4)'s file on disk behind the tier's back.
-    let path = files_with_suffix(dir.path(), ".kv")
-        .into_iter()
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_string_lossy()
-                .starts_with(&format!("{:016x}-{}", key(4).hash, key(4).group))
-        })
-        .unwrap();
+    // Damage key(4)'s record on disk behind the tier's back.
+    let (path, offset) = rig.tier.chunk_location(key(4)).unwrap();
     let mut bytes = fs::read(&path).unwrap();
-    bytes[4096 + 10] ^= 0xFF;
+    bytes[offset as usize + 4096 + 10] ^= 0xFF;
     fs::write(&path, bytes).unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
     let mut failed = rig.load(&loads).failed;
@@ -340,10 +336,16 @@ fn corruption_is_detected_and_quarantined(engine: EngineChoice) {
     for k in [key(1), key(3), key(4)] {
         assert_eq!(rig.lookup(k), TierLookup::Miss);
     }
-    assert_eq!(files_with_suffix(dir.path(), ".kv").len(), 1);
+    assert_eq!(rig.tier.chunk_count(), 1);
     let stats = rig.tier.stats();
     assert_eq!(stats.failures_of(FailureKind::Corrupt), 3);
     assert_eq!(stats.quarantined, 3);
+    // The quarantined records are covered by skip records: a restart does not index them again.
+    drop(rig);
+    let mut rig = Rig::start(config(dir.path(), engine));
+    assert_eq!(rig.tier.chunk_count(), 1);
+    assert!(rig.load(&[(key(2), 9, FULL - 1)]).is_success());
+    assert!(rig.slot_is(9, FULL - 1, 102));
 }
 
 fn every_nth_rule_and_durable_stores(engine: EngineChoice) {
@@ -445,6 +447,11 @@ fn shared_directory_probe_finds_chunks_of_another_instance() {
     assert_eq!(reader.lookup(key(99)), TierLookup::Miss);
     load_and_check(&mut reader, &chunks);
     let stats = reader.tier.stats();
-    assert_eq!(stats.probe_hits, 2);
-    assert_eq!(stats.probes, 3);
+    // The first probe's walk over the writer's segment found both keys.
+    assert_eq!(stats.probe_hits, 1);
+    assert_eq!(stats.probes, 2);
+    // The reader never writes into the writer's segment.
+    drop(reader);
+    assert!(writer.store(&[(key(3), 2, FULL, 9)]).is_success());
+    load_and_check(&mut writer, &[(key(3), 2, FULL, 9), chunks[0], chunks[1]]);
 }

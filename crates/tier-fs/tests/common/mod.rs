@@ -20,8 +20,10 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 pub const SLOT_BYTES: usize = 64 * 1024;
 /// Slots of the rig's host pool.
 pub const SLOT_COUNT: u32 = 16;
-/// File bytes of a full-slot chunk (header plus payload).
+/// Record bytes of a full-slot chunk (header plus payload).
 pub const FULL_FILE_BYTES: u64 = 4096 + SLOT_BYTES as u64;
+/// Bytes of a segment's seal record.
+pub const SEAL_BYTES: u64 = 4096;
 
 /// The namespace every test uses.
 pub fn namespace() -> NamespaceId {
@@ -192,9 +194,9 @@ pub fn files_with_suffix(dir: &Path, suffix: &str) -> Vec<PathBuf> {
     out
 }
 
-/// The sum of the sizes of the chunk files under `dir`.
+/// The sum of the sizes of the segment files under `dir`.
 pub fn chunk_file_bytes(dir: &Path) -> u64 {
-    files_with_suffix(dir, ".kv")
+    files_with_suffix(dir, ".seg")
         .iter()
         .filter_map(|p| std::fs::metadata(p).ok())
         .map(|m| m.len())

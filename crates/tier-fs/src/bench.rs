@@ -1,0 +1,479 @@
+//! The disk tier's throughput benchmark against the disk's own ceiling, measured in the same run
+//! (what `kvtier bench fs` and the `fs_bench` example run).
+//!
+//! For each chunk size: raw O_DIRECT sequential writes then reads of one fresh file in the
+//! target directory, once at queue depth 1 (one chunk-sized `pwrite`/`pread` at a time) and once
+//! at the queue depth the tier runs (`workers * chunks_per_job` threads taking the next chunk);
+//! the better of the two is the ceiling, so the tier is never flattered. Then the tier stores the
+//! same number of chunks (jobs of `chunks_per_job`, as many jobs in flight as it takes) into an
+//! empty namespace in the same directory and loads them all back (every load verified). Each row
+//! is the tier's GiB/s with the ceiling's.
+
+use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
+use offload_core::{BenchRow, ChunkKey, JobId, SlotId};
+
+use crate::config::{EngineChoice, FsTierConfig, NamespaceId};
+use crate::error::FsError;
+use crate::io::AlignedBuf;
+use crate::tier::FsTier;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+const GIB: f64 = (1u64 << 30) as f64;
+/// Host slots of the benchmark's pool (the jobs cycle through them).
+const SLOT_COUNT: u32 = 16;
+/// The longest one pass may take before the benchmark gives up.
+const PASS_DEADLINE: Duration = Duration::from_secs(600);
+/// The most raw-I/O threads.
+const RAW_THREADS_MAX: usize = 64;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct FsBenchConfig {
+    /// The directory to measure (on the disk in question, not tmpfs); scratch files and a
+    /// namespace directory are created under it and removed after each pass.
+    pub dir: PathBuf,
+    /// Bytes moved per pass (at least `2 * 16` chunks are moved whatever the size).
+    pub total_bytes: u64,
+    /// Chunk sizes, in bytes (each a multiple of 4096 is best, like real KV chunks).
+    pub chunk_sizes: Vec<usize>,
+    /// The tier's I/O engine.
+    pub engine: EngineChoice,
+    /// The tier's worker threads.
+    pub workers: usize,
+    /// Chunks per tier job.
+    pub chunks_per_job: usize,
+    /// `sync` and pause briefly between passes, so that one pass's deletions do not slow the next
+    /// (off for quick tests).
+    pub settle: bool,
+}
+
+impl FsBenchConfig {
+    /// The defaults over `dir`: 1 GiB per pass, chunks of 256 KiB to 8 MiB, the tier's default
+    /// engine and workers, jobs of 4 chunks.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        let defaults = FsTierConfig::new("/", bench_namespace(), 1);
+        Self {
+            dir: dir.into(),
+            total_bytes: 1 << 30,
+            chunk_sizes: vec![256 * KIB, MIB, 2 * MIB, 4 * MIB, 8 * MIB],
+            engine: defaults.engine,
+            workers: defaults.workers,
+            chunks_per_job: 4,
+            settle: true,
+        }
+    }
+
+    /// The raw queue depth that matches the tier's (chunks in flight at once).
+    pub fn raw_queue_depth(&self) -> usize {
+        (self.workers * self.chunks_per_job).clamp(1, RAW_THREADS_MAX)
+    }
+
+    fn check(&self) -> Result<(), FsError> {
+        let fail = |field: &'static str, reason: &str| {
+            Err(FsError::Config {
+                field,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.chunk_sizes.is_empty() {
+            return fail("chunk_sizes", "must not be empty");
+        }
+        if self
+            .chunk_sizes
+            .iter()
+            .any(|&s| s == 0 || s > u32::MAX as usize)
+        {
+            return fail("chunk_sizes", "each must be between 1 byte and 4 GiB");
+        }
+        if self.chunks_per_job == 0 {
+            return fail("chunks_per_job", "must be at least 1");
+        }
+        if self.total_bytes == 0 {
+            return fail("total_bytes", "must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// The benchmark's namespace.
+fn bench_namespace() -> NamespaceId {
+    NamespaceId {
+        model: "kvtier-bench".into(),
+        dtype: "bf16".into(),
+        tokens_per_chunk: 256,
+        parallel_layout: "tp1".into(),
+    }
+}
+
+/// A host pool in ordinary memory, one mutex per slot.
+struct BenchMemory {
+    slots: Vec<Mutex<Vec<u8>>>,
+    slot_bytes: usize,
+}
+
+impl BenchMemory {
+    fn new(slot_count: u32, slot_bytes: usize) -> Self {
+        let slots = (0..slot_count)
+            .map(|s| {
+                let row = (0..slot_bytes)
+                    .map(|i| (i as u64).wrapping_mul(31).wrapping_add(u64::from(s)) as u8)
+                    .collect();
+                Mutex::new(row)
+            })
+            .collect();
+        Self { slots, slot_bytes }
+    }
+
+    fn row(&self, slot: SlotId) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.slots[slot.0 as usize]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl SlotMemory for BenchMemory {
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot_count(&self) -> u32 {
+        u32::try_from(self.slots.len()).unwrap_or(u32::MAX)
+    }
+
+    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.row(slot)[offset..offset + dst.len()]);
+    }
+
+    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
+        self.row(slot)[offset..offset + src.len()].copy_from_slice(src);
+    }
+}
+
+/// Lets the file system finish with deleted files (journal commit, discards) before the next
+/// measurement.
+fn settle(config: &FsBenchConfig) {
+    if config.settle {
+        // SAFETY: sync(2) takes no arguments and cannot fail.
+        unsafe { libc::sync() };
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn gib_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    bytes as f64 / GIB / elapsed.as_secs_f64().max(1e-9)
+}
+
+fn bench_error(what: String) -> FsError {
+    FsError::Bench(what)
+}
+
+/// `threads` threads each moving the next chunk of `file` (chunk `i` at `i * size`) until
+/// `count` chunks moved; returns the elapsed time.
+fn raw_pass(
+    file: &Arc<File>,
+    path: &Path,
+    size: usize,
+    count: usize,
+    threads: usize,
+    write: bool,
+) -> Result<Duration, FsError> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let results: Vec<Result<(), FsError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (next, file) = (Arc::clone(&next), Arc::clone(file));
+                scope.spawn(move || -> Result<(), FsError> {
+                    let mut buf = AlignedBuf::try_with_capacity(size)
+                        .map_err(|e| FsError::io("alloc", path, 0, e))?;
+                    for (i, b) in buf.as_full_mut_slice().iter_mut().enumerate() {
+                        *b = (i * 31) as u8;
+                    }
+                    buf.set_len(size);
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= count {
+                            return Ok(());
+                        }
+                        let offset = (i * size) as u64;
+                        let moved = if write {
+                            file.write_at(buf.as_slice(), offset)
+                        } else {
+                            file.read_at(buf.as_mut_slice(), offset)
+                        };
+                        let op = if write { "write" } else { "read" };
+                        match moved {
+                            Ok(n) if n == size => {}
+                            Ok(n) => {
+                                return Err(bench_error(format!(
+                                    "raw {op} of {path:?} at offset {offset}: {n} of {size} bytes"
+                                )))
+                            }
+                            Err(e) => return Err(FsError::io(op, path, offset, e)),
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(bench_error("a raw I/O thread panicked".into())))
+            })
+            .collect()
+    });
+    results.into_iter().collect::<Result<Vec<()>, FsError>>()?;
+    Ok(start.elapsed())
+}
+
+/// Raw O_DIRECT sequential write of a fresh file then read of it, at `threads` chunks in flight;
+/// returns (write, read) GiB/s.
+fn raw(
+    config: &FsBenchConfig,
+    size: usize,
+    count: usize,
+    threads: usize,
+) -> Result<(f64, f64), FsError> {
+    let path = config
+        .dir
+        .join(format!("kvtier-raw-direct-{}.bin", std::process::id()));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .map_err(|e| FsError::io("open O_DIRECT", &path, 0, e))?;
+    let file = Arc::new(file);
+    let bytes = (size * count) as u64;
+    let measured = (|| {
+        let write = raw_pass(&file, &path, size, count, threads, true)?;
+        let read = raw_pass(&file, &path, size, count, threads, false)?;
+        Ok((gib_per_s(bytes, write), gib_per_s(bytes, read)))
+    })();
+    drop(file);
+    let _ = fs::remove_file(&path);
+    settle(config);
+    measured
+}
+
+/// Runs jobs of `op` over `keys` (chunks cycling through the slots), keeping as many jobs in
+/// flight as the tier takes; returns the elapsed time.
+fn run_jobs(
+    tier: &mut FsTier,
+    op: TierOp,
+    keys: &[ChunkKey],
+    size: u32,
+    chunks_per_job: usize,
+    first_id: u64,
+) -> Result<Duration, FsError> {
+    let jobs: Vec<TierJob> = keys
+        .chunks(chunks_per_job)
+        .enumerate()
+        .map(|(j, chunk)| TierJob {
+            id: JobId(first_id + j as u64),
+            request: None,
+            op,
+            chunks: chunk
+                .iter()
+                .enumerate()
+                .map(|(i, &key)| {
+                    let slot = ((j * chunks_per_job + i) % SLOT_COUNT as usize) as u32;
+                    (key, SlotId(slot), size)
+                })
+                .collect(),
+        })
+        .collect();
+    let total = jobs.len();
+    let mut pending = jobs.into_iter().peekable();
+    let mut done = 0;
+    let mut out: Vec<TierCompletion> = Vec::new();
+    let start = Instant::now();
+    while done < total {
+        while let Some(job) = pending.peek() {
+            match tier.submit(job.clone()) {
+                Ok(()) => {
+                    pending.next();
+                }
+                Err(offload_core::tier::SubmitError::Busy { .. }) => break,
+                Err(e) => return Err(bench_error(format!("{op:?} submit refused: {e}"))),
+            }
+        }
+        tier.poll(&mut out);
+        for completion in out.drain(..) {
+            if !completion.is_success() {
+                return Err(bench_error(format!(
+                    "{op:?} job {} failed keys {:?} (stats: {:?})",
+                    completion.id.0,
+                    completion.failed,
+                    tier.stats()
+                )));
+            }
+            done += 1;
+        }
+        if start.elapsed() > PASS_DEADLINE {
+            return Err(bench_error(format!(
+                "{op:?} pass did not finish within {PASS_DEADLINE:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    Ok(start.elapsed())
+}
+
+/// The tier's store and load of `count` chunks of `size` bytes; returns (store, load) GiB/s and
+/// the engine in use.
+fn tier(config: &FsBenchConfig, size: usize, count: usize) -> Result<(f64, f64, String), FsError> {
+    let root = config
+        .dir
+        .join(format!("kvtier-fs-bench-{}", std::process::id()));
+    let memory = Arc::new(BenchMemory::new(SLOT_COUNT, size));
+    let tier_config = FsTierConfig {
+        engine: config.engine,
+        workers: config.workers,
+        quiet: true,
+        batch_bytes_max: (config.chunks_per_job * (size + 4 * KIB)).max(64 * MIB),
+        ..FsTierConfig::new(&root, bench_namespace(), u64::MAX / 2)
+    };
+    let measured = (|| {
+        let mut fs_tier = FsTier::start(tier_config, memory as Arc<dyn SlotMemory>)?;
+        let keys: Vec<ChunkKey> = (0..count as u64)
+            .map(|n| ChunkKey::new(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, 0))
+            .collect();
+        let per_job = config.chunks_per_job;
+        let store = run_jobs(&mut fs_tier, TierOp::Store, &keys, size as u32, per_job, 1)?;
+        let load = run_jobs(
+            &mut fs_tier,
+            TierOp::Load,
+            &keys,
+            size as u32,
+            per_job,
+            1 << 40,
+        )?;
+        let stats = fs_tier.stats();
+        let mode = if stats.direct_io {
+            "O_DIRECT"
+        } else {
+            "buffered"
+        };
+        let bytes = (size * count) as u64;
+        Ok((
+            gib_per_s(bytes, store),
+            gib_per_s(bytes, load),
+            format!("{}+{mode}", stats.engine),
+        ))
+    })();
+    let removed = fs::remove_dir_all(&root);
+    settle(config);
+    let measured = measured?;
+    removed.map_err(|e| FsError::io("remove_dir_all", &root, 0, e))?;
+    Ok(measured)
+}
+
+/// Runs the benchmark; `progress` gets one line per measurement. Returns one `store` and one
+/// `load` row per chunk size, each with the better raw O_DIRECT number of the same run as its
+/// ceiling.
+pub fn run(
+    config: &FsBenchConfig,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<BenchRow>, FsError> {
+    config.check()?;
+    fs::create_dir_all(&config.dir).map_err(|e| FsError::io("mkdir", &config.dir, 0, e))?;
+    let depth = config.raw_queue_depth();
+    progress(&format!(
+        "tier-fs bench in {:?}: {} MiB per pass, jobs of {} chunks, {} workers, raw at queue \
+         depth 1 and {depth}",
+        config.dir,
+        config.total_bytes >> 20,
+        config.chunks_per_job,
+        config.workers
+    ));
+    let mut rows = Vec::new();
+    for &size in &config.chunk_sizes {
+        let count = usize::try_from(config.total_bytes / size as u64)
+            .unwrap_or(usize::MAX)
+            .max(2 * SLOT_COUNT as usize);
+        let (write_1, read_1) = raw(config, size, count, 1)?;
+        let (write_n, read_n) = raw(config, size, count, depth)?;
+        let (store, load, engine) = tier(config, size, count)?;
+        let (write_ceiling, read_ceiling) = (write_1.max(write_n), read_1.max(read_n));
+        progress(&format!(
+            "{:>6} KiB: raw write {write_1:.2} (qd1) {write_n:.2} (qd{depth}), store {store:.2} \
+             = {:.2}x | raw read {read_1:.2} (qd1) {read_n:.2} (qd{depth}), load {load:.2} = \
+             {:.2}x GiB/s [{engine}]",
+            size / KIB,
+            store / write_ceiling,
+            load / read_ceiling
+        ));
+        for (op, gib, ceiling) in [
+            ("store", store, write_ceiling),
+            ("load", load, read_ceiling),
+        ] {
+            rows.push(BenchRow {
+                op: op.into(),
+                chunk_bytes: size as u64,
+                gib_per_s: gib,
+                ceiling_gib_per_s: ceiling,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tiny_run_gives_a_store_and_a_load_row_per_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = FsBenchConfig {
+            total_bytes: 1 << 20,
+            chunk_sizes: vec![64 * KIB, 100 * KIB],
+            workers: 2,
+            settle: false,
+            ..FsBenchConfig::new(dir.path())
+        };
+        let mut lines = Vec::new();
+        let rows = run(&config, &mut |line| lines.push(line.to_owned())).unwrap();
+        assert_eq!(rows.len(), 4);
+        let ops: Vec<&str> = rows.iter().map(|r| r.op.as_str()).collect();
+        assert_eq!(ops, ["store", "load", "store", "load"]);
+        assert_eq!(rows[2].chunk_bytes, 100 * KIB as u64);
+        for row in &rows {
+            assert!(
+                row.gib_per_s > 0.0 && row.ceiling_gib_per_s > 0.0,
+                "{row:?}"
+            );
+        }
+        assert_eq!(lines.len(), 3);
+        // Everything the bench created is gone.
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn bad_settings_name_the_field() {
+        let mut config = FsBenchConfig::new("/nonexistent");
+        config.chunk_sizes.clear();
+        match run(&config, &mut |_| {}) {
+            Err(FsError::Config { field, .. }) => assert_eq!(field, "chunk_sizes"),
+            other => panic!("expected a config error, got {other:?}"),
+        }
+        config.chunk_sizes = vec![4096];
+        config.chunks_per_job = 0;
+        match run(&config, &mut |_| {}) {
+            Err(FsError::Config { field, .. }) => assert_eq!(field, "chunks_per_job"),
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+}
