@@ -14,7 +14,7 @@
 //! - [`stats`]: counters ([`FsStats`]).
 //! - [`tier`]: [`FsTier`], the `Tier` implementation: a front end on the caller's thread and
 //!   background workers, each owning an I/O engine.
-//! - [`bench`]: the store/load benchmark against raw O_DIRECT of the same directory.
+//! - [`bench`](mod@bench): the store/load benchmark against raw O_DIRECT of the same directory.
 //!
 //! On disk: `<root>/<namespace hash>/namespace.json` (the layout identity, checked at start) and
 //! segment files `<instance>-<sequence>.seg`, each appended by one worker of one instance: a
