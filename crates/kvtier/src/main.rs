@@ -1,0 +1,159 @@
+//! The `kvtier` command: `run` (the main job), `replay` (a Mooncake trace through the engine
+//! simulator) and `bench` (the manager alone, and each data path against the machine's ceiling).
+//! Bad flags and bad input are one-line errors naming what was wrong (exit status 2); a run that
+//! found an integrity or invariant failure exits with status 1.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvtier::bench_manager::{self, ManagerBenchConfig, ManagerTrace};
+use kvtier::progress::Progress;
+use offload_core::EvictionPolicy;
+
+/// kvtier: KV-cache offload for LLM inference engines (host pool, disk, peers).
+#[derive(Debug, Parser)]
+#[command(name = "kvtier", version, about)]
+struct Cli {
+    /// Print one JSON object instead of the table (and no progress line).
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Benchmarks: the host-pool manager alone, or a data path against the machine's ceiling.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Replays a trace at the host-pool manager alone and counts block operations per second.
+    Manager(ManagerArgs),
+}
+
+/// Eviction policy names on the command line.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum PolicyArg {
+    /// Least recently used.
+    Lru,
+    /// Adaptive replacement cache.
+    Arc,
+}
+
+impl From<PolicyArg> for EvictionPolicy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::Lru => EvictionPolicy::Lru,
+            PolicyArg::Arc => EvictionPolicy::Arc,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+struct ManagerArgs {
+    /// Mooncake-format JSONL trace.
+    #[arg(long, value_name = "FILE")]
+    trace: PathBuf,
+    /// Host-pool slots (one per hash id).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    capacity_blocks: u32,
+    /// Eviction policy.
+    #[arg(long, value_enum, default_value = "lru")]
+    policy: PolicyArg,
+    /// Passes over the trace, each on a fresh pool; the median pass is reported.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    passes: u32,
+    /// Read only the first N requests of the trace.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+}
+
+/// How a command ended when it did not succeed.
+enum Failure {
+    /// Bad input (flag, file, trace line, config): exit status 2.
+    Input(String),
+    /// The work ran and found failures (integrity, invariants): exit status 1.
+    Check(String),
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+                || matches!(
+                    e.kind(),
+                    ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                )
+            {
+                let _ = e.print();
+                return if e.use_stderr() {
+                    ExitCode::from(2)
+                } else {
+                    ExitCode::SUCCESS
+                };
+            }
+            // One line, naming the flag: clap's first line ("error: unexpected argument ...").
+            let text = e.render().to_string();
+            let line = text.lines().next().unwrap_or("error: bad arguments");
+            eprintln!("kvtier: {}", line.trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
+    match dispatch(&cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Input(msg)) => {
+            eprintln!("kvtier: {msg}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Check(msg)) => {
+            eprintln!("kvtier: {msg}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn dispatch(cli: &Cli) -> Result<(), Failure> {
+    match &cli.command {
+        Command::Bench {
+            which: BenchCommand::Manager(args),
+        } => bench_manager_cmd(args, cli.json),
+    }
+}
+
+fn print_json<T: serde::Serialize>(value: &T) -> Result<(), Failure> {
+    let text = serde_json::to_string_pretty(value)
+        .map_err(|e| Failure::Check(format!("cannot encode the report as JSON: {e}")))?;
+    println!("{text}");
+    Ok(())
+}
+
+fn bench_manager_cmd(args: &ManagerArgs, json: bool) -> Result<(), Failure> {
+    let mut progress = Progress::new(!json);
+    progress.set(&format!("reading {}", args.trace.display()));
+    let records = engine_sim::trace::read_trace_file(&args.trace, args.limit.unwrap_or(usize::MAX))
+        .map_err(|e| Failure::Input(e.to_string()))?;
+    let trace = ManagerTrace::from_records(&records);
+    drop(records);
+    let config = ManagerBenchConfig {
+        capacity_blocks: args.capacity_blocks,
+        policy: args.policy.into(),
+        passes: args.passes,
+    };
+    let report = bench_manager::run(&trace, &config, &mut |m| progress.set(m))
+        .map_err(|e| Failure::Input(format!("--capacity-blocks: {e}")))?;
+    progress.finish();
+    if json {
+        print_json(&report)
+    } else {
+        print!("{}", bench_manager::render(&report));
+        Ok(())
+    }
+}

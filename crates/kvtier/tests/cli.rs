@@ -1,0 +1,136 @@
+//! Runs the `kvtier` binary on tiny inputs: bad flags and bad trace lines are one-line errors
+//! naming them; `bench manager --json` reports consistent fields.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .expect("the kvtier binary runs")
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A file under the target's temporary directory, unique to this test.
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join(format!("{}-{name}", std::process::id()));
+    std::fs::write(&path, text).expect("write test input");
+    path
+}
+
+/// A small prefix-chained trace: request `i` shares its first `i % 4` blocks with the others.
+fn small_trace(requests: u64) -> String {
+    let mut text = String::new();
+    for i in 0..requests {
+        let shared = i % 4;
+        let mut ids: Vec<u64> = (0..shared).collect();
+        ids.extend((0..3).map(|b| 1000 + i * 10 + b));
+        text.push_str(&format!(
+            "{{\"timestamp\": {}, \"input_length\": {}, \"output_length\": 2, \"hash_ids\": {:?}}}\n",
+            i * 10,
+            ids.len() * 512,
+            ids
+        ));
+    }
+    text
+}
+
+#[test]
+fn bad_flag_is_one_line_naming_it() {
+    let out = kvtier(&["bench", "manager", "--no-such-flag"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("--no-such-flag"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+
+    let out = kvtier(&[
+        "bench",
+        "manager",
+        "--trace",
+        "x",
+        "--capacity-blocks",
+        "lots",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("--capacity-blocks"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn bad_trace_line_is_named() {
+    let mut text = small_trace(3);
+    text.push_str("{\"timestamp\": 5, \"input_length\": 100, \"output_length\": 1}\n");
+    let path = temp_file("bad.jsonl", &text);
+    let out = kvtier(&[
+        "bench",
+        "manager",
+        "--trace",
+        path.to_str().unwrap(),
+        "--capacity-blocks",
+        "16",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("trace line 4") && err.contains("hash_ids"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn missing_trace_file_is_named() {
+    let out = kvtier(&[
+        "bench",
+        "manager",
+        "--trace",
+        "/nonexistent/kvtier.jsonl",
+        "--capacity-blocks",
+        "16",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("/nonexistent/kvtier.jsonl"));
+}
+
+#[test]
+fn bench_manager_json_fields_are_present_and_consistent() {
+    let path = temp_file("small.jsonl", &small_trace(40));
+    for policy in ["lru", "arc"] {
+        let out = kvtier(&[
+            "--json",
+            "bench",
+            "manager",
+            "--trace",
+            path.to_str().unwrap(),
+            "--capacity-blocks",
+            "1000",
+            "--policy",
+            policy,
+            "--passes",
+            "2",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let n = |k: &str| {
+            v[k].as_f64()
+                .unwrap_or_else(|| panic!("field {k} missing: {v}"))
+        };
+        assert_eq!(n("requests"), 40.0);
+        // 40 requests of 3 own blocks plus 0,1,2,3 shared ones in turn: 120 + 60.
+        assert_eq!(n("total_blocks"), 180.0);
+        // Unbounded for this trace: every shared block but the first sight of each hits, and
+        // request i's shared blocks are a prefix. Block 0 first seen at i=1, block 1 at i=2, ...
+        // Hits: i%4==1 -> 1 (except i=1), ==2 -> 2 (except i=2: 1), ==3 -> 3 (except i=3: 2).
+        assert_eq!(n("hit_blocks"), 9.0 + 19.0 + 29.0);
+        assert!(n("block_ops") >= 2.0 * n("total_blocks"));
+        assert!(n("elapsed_s") >= 0.0);
+        assert!(n("block_ops_per_s") >= 0.0);
+        assert_eq!(v["policy"], policy);
+    }
+}
