@@ -55,6 +55,8 @@ const REAP_ERRORS_MAX: u32 = 1000;
 const READERS_MAX: usize = 256;
 /// Bytes of the seal a segment ends with (reserved when the segment is created).
 const SEAL_BYTES: u64 = HEADER_BYTES as u64;
+/// Operations of a batch are submitted in groups of at least this many bytes.
+const SUBMIT_BYTES_MIN: usize = 1 << 20;
 
 /// State shared by the front end, the workers and the prober.
 ///
@@ -219,9 +221,11 @@ struct Pending {
     corrupt_after_read: bool,
 }
 
-/// An operation ready to run, or one whose injected error stands for its completion.
+/// An operation ready to run, a store record whose buffer is filled just before it is
+/// submitted, or one whose injected error stands for its completion.
 enum Ready {
     Op(IoOp),
+    Fill(AlignedBuf),
     Injected(io::Error, AlignedBuf),
 }
 
@@ -465,19 +469,13 @@ impl Worker {
             self.shared.index().release(bytes);
             return Err(kind);
         }
-        let mut buf = match self.pool.get(bytes as usize) {
+        let buf = match self.pool.get(bytes as usize) {
             Ok(buf) => buf,
             Err(e) => {
                 self.shared.index().release(bytes);
                 return Err(failure_of(&e));
             }
         };
-        let memory = &self.memory;
-        let (total, _) = encode_into(buf.as_full_mut_slice(), key, len as usize, |dst| {
-            memory.read_slot(slot, 0, dst)
-        });
-        debug_assert_eq!(total as u64, bytes);
-        buf.set_len(total);
         let seg = &mut self.segments[at];
         let offset = seg.cursor;
         seg.cursor += bytes;
@@ -494,7 +492,21 @@ impl Worker {
             retried: false,
             corrupt_after_read: false,
         };
-        Ok(self.write_item(pending, buf))
+        Ok((pending, Ready::Fill(buf)))
+    }
+
+    /// Fills a placed record's buffer (header, the slot's payload, padding) and prepares its
+    /// write, with the write faults applied.
+    fn fill_record(&mut self, pending: Pending, mut buf: AlignedBuf) -> (Pending, Ready) {
+        let memory = &self.memory;
+        let (total, _) = encode_into(
+            buf.as_full_mut_slice(),
+            pending.key,
+            pending.len as usize,
+            |dst| memory.read_slot(pending.slot, 0, dst),
+        );
+        debug_assert_eq!(total as u64, pending.bytes);
+        self.write_item(pending, buf)
     }
 
     /// Makes segment `at` ready for `key`'s record: buffered if the root switched, with the
@@ -1060,8 +1072,11 @@ impl Worker {
         }
     }
 
-    /// Submits the ready operations in one batch and reaps them all; injected errors complete
-    /// at once. Returns every item with its result and buffer.
+    /// Submits the ready operations and reaps them all; injected errors complete at once. Store
+    /// records still to be filled are filled just before their submission, so that the disk
+    /// writes the first records of a batch while the next ones are copied and checksummed (ops are
+    /// submitted in groups of at least [`SUBMIT_BYTES_MIN`] bytes). Returns every item with its
+    /// result and buffer.
     fn execute(
         &mut self,
         items: Vec<(Pending, Ready)>,
@@ -1069,32 +1084,34 @@ impl Worker {
         let mut results = Vec::with_capacity(items.len());
         let mut waiting: HashMap<u64, Pending> = HashMap::new();
         let mut ops = Vec::new();
-        for (pending, ready) in items {
+        let mut ops_bytes = 0;
+        let mut submitted = 0;
+        let total = items.len();
+        for (n, (pending, ready)) in items.into_iter().enumerate() {
+            let (pending, ready) = match ready {
+                Ready::Fill(buf) => self.fill_record(pending, buf),
+                other => (pending, other),
+            };
             match ready {
                 Ready::Injected(error, buf) => results.push((pending, Err(error), buf)),
+                Ready::Fill(buf) => {
+                    results.push((pending, Err(io::Error::other("record left unfilled")), buf))
+                }
                 Ready::Op(op) => {
+                    ops_bytes += op.len;
                     waiting.insert(op.tag, pending);
                     ops.push(op);
                 }
             }
-        }
-        if ops.is_empty() {
-            return results;
-        }
-        let count = ops.len();
-        if let Err((error, ops)) = self.engine.submit(ops) {
-            for op in ops {
-                if let Some(pending) = waiting.remove(&op.tag) {
-                    let error = io::Error::new(error.kind(), format!("submit: {error}"));
-                    results.push((pending, Err(error), op.buf));
-                }
+            if !ops.is_empty() && (ops_bytes >= SUBMIT_BYTES_MIN || n + 1 == total) {
+                submitted += self.submit(std::mem::take(&mut ops), &mut waiting, &mut results);
+                ops_bytes = 0;
             }
-            return results;
         }
-        let mut done = Vec::with_capacity(count);
+        let mut done = Vec::with_capacity(submitted);
         let mut errors = 0;
-        while done.len() < count && self.engine.in_flight() > 0 {
-            let missing = count - done.len();
+        while done.len() < submitted && self.engine.in_flight() > 0 {
+            let missing = submitted - done.len();
             if self.engine.reap(&mut done, missing).is_err() {
                 errors += 1;
                 if errors > REAP_ERRORS_MAX {
@@ -1117,6 +1134,28 @@ impl Worker {
             results.push((pending, Err(error), AlignedBuf::with_capacity(0)));
         }
         results
+    }
+
+    /// Submits `ops`; returns how many the engine took (a refused group fails its items).
+    fn submit(
+        &mut self,
+        ops: Vec<IoOp>,
+        waiting: &mut HashMap<u64, Pending>,
+        results: &mut Vec<(Pending, io::Result<usize>, AlignedBuf)>,
+    ) -> usize {
+        let count = ops.len();
+        match self.engine.submit(ops) {
+            Ok(()) => count,
+            Err((error, ops)) => {
+                for op in ops {
+                    if let Some(pending) = waiting.remove(&op.tag) {
+                        let error = io::Error::new(error.kind(), format!("submit: {error}"));
+                        results.push((pending, Err(error), op.buf));
+                    }
+                }
+                0
+            }
+        }
     }
 }
 
