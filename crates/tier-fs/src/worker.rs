@@ -1053,8 +1053,8 @@ impl Worker {
         );
     }
 
-    /// Executes `items`, handing each result to `done`, and executes again whatever `done` asks to
-    /// retry (a buffered retry after EINVAL), until nothing is left.
+    /// Executes `items`, handing each result to `done` as it arrives, and executes again whatever
+    /// `done` asks to retry (a buffered retry after EINVAL), until nothing is left.
     fn run_to_completion(
         &mut self,
         mut items: Vec<(Pending, Ready)>,
@@ -1062,26 +1062,24 @@ impl Worker {
         failed: &mut Failed,
     ) {
         while !items.is_empty() {
-            let results = self.execute(items);
-            items = Vec::new();
-            for (pending, result, buf) in results {
-                if let Some(retry) = done(self, pending, result, buf, failed) {
-                    items.push(retry);
-                }
-            }
+            items = self.execute(items, done, failed);
         }
     }
 
-    /// Submits the ready operations and reaps them all; injected errors complete at once. Store
-    /// records still to be filled are filled just before their submission, so that the disk
-    /// writes the first records of a batch while the next ones are copied and checksummed (ops are
-    /// submitted in groups of at least [`SUBMIT_BYTES_MIN`] bytes). Returns every item with its
-    /// result and buffer.
+    /// Submits the ready operations and reaps them all, handing each result to `done` as soon as
+    /// it is reaped (so a load verifies and copies one record while later ones are still read);
+    /// injected errors complete at once. Store records still to be filled are filled just before
+    /// their submission, so that the disk writes the first records of a batch while the next ones
+    /// are copied and checksummed (ops are submitted in groups of at least [`SUBMIT_BYTES_MIN`]
+    /// bytes). Returns the operations `done` asked to retry.
     fn execute(
         &mut self,
         items: Vec<(Pending, Ready)>,
-    ) -> Vec<(Pending, io::Result<usize>, AlignedBuf)> {
-        let mut results = Vec::with_capacity(items.len());
+        done: CompletionHandler,
+        failed: &mut Failed,
+    ) -> Vec<(Pending, Ready)> {
+        let mut results = Vec::new();
+        let mut retries = Vec::new();
         let mut waiting: HashMap<u64, Pending> = HashMap::new();
         let mut ops = Vec::new();
         let mut ops_bytes = 0;
@@ -1108,22 +1106,32 @@ impl Worker {
                 ops_bytes = 0;
             }
         }
-        let mut done = Vec::with_capacity(submitted);
+        let mut handle = |worker: &mut Worker, results: &mut Vec<_>| {
+            for (pending, result, buf) in results.drain(..) {
+                if let Some(retry) = done(worker, pending, result, buf, failed) {
+                    retries.push(retry);
+                }
+            }
+        };
+        handle(self, &mut results);
+        let mut reaped = 0;
         let mut errors = 0;
-        while done.len() < submitted && self.engine.in_flight() > 0 {
-            let missing = submitted - done.len();
-            if self.engine.reap(&mut done, missing).is_err() {
+        let mut batch = Vec::new();
+        while reaped < submitted && self.engine.in_flight() > 0 {
+            if self.engine.reap(&mut batch, 1).is_err() {
                 errors += 1;
                 if errors > REAP_ERRORS_MAX {
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
-        }
-        for completion in done {
-            if let Some(pending) = waiting.remove(&completion.tag) {
-                results.push((pending, completion.result, completion.buf));
+            for completion in batch.drain(..) {
+                reaped += 1;
+                if let Some(pending) = waiting.remove(&completion.tag) {
+                    results.push((pending, completion.result, completion.buf));
+                }
             }
+            handle(self, &mut results);
         }
         for (_, pending) in waiting {
             // The engine still owns the operation and its buffer: leak a reference to the
@@ -1133,7 +1141,8 @@ impl Worker {
             let error = io::Error::other("the I/O engine lost the operation");
             results.push((pending, Err(error), AlignedBuf::with_capacity(0)));
         }
-        results
+        handle(self, &mut results);
+        retries
     }
 
     /// Submits `ops`; returns how many the engine took (a refused group fails its items).
