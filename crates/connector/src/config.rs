@@ -34,6 +34,7 @@ use offload_core::{
 };
 use serde::Deserialize;
 
+use crate::clock::{Clock, MonotonicClock};
 use crate::tiering::{TieringManager, TieringOptions, TIERS_MAX};
 
 /// A configuration problem, naming the key (or the file) that was wrong.
@@ -481,6 +482,17 @@ impl ResolvedConfig {
         memory: Arc<dyn SlotMemory>,
         strict: bool,
     ) -> Result<TieringManager, ConfigError> {
+        self.build_manager_with_clock(memory, strict, Arc::new(MonotonicClock::new()))
+    }
+
+    /// Like [`ResolvedConfig::build_manager`], with the manager's time (metrics, promotion
+    /// deadline) read from `clock` (a simulator's [`crate::ManualClock`]).
+    pub fn build_manager_with_clock(
+        &self,
+        memory: Arc<dyn SlotMemory>,
+        strict: bool,
+        clock: Arc<dyn Clock>,
+    ) -> Result<TieringManager, ConfigError> {
         if memory.slot_bytes() != self.slot_bytes as usize
             || memory.slot_count() != self.pool.slot_count
         {
@@ -504,6 +516,7 @@ impl ResolvedConfig {
         let options = TieringOptions {
             strict,
             promotion_deadline_ns: self.promotion_deadline_ns,
+            clock,
             ..TieringOptions::new(self.slot_bytes)
         };
         TieringManager::new(pool, tiers, options)

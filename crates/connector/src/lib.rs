@@ -13,6 +13,37 @@
 //! - [`metrics`]: counters and their Prometheus text format; [`clock`]: time behind a trait a
 //!   simulator can control.
 //!
+//! How an engine embeds it: read the configuration, check it against the engine's geometry,
+//! build the tiering manager over the host pool's bytes (the same [`offload_core::SlotMemory`]
+//! the workers' transfer engines copy into), and drive a [`SchedulerHandle`] with the engine's
+//! scheduler calls; each worker runs a `WorkerHandle` on the metadata of every step.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use connector::config::{ConnectorConfig, EngineGeometry};
+//! use connector::SchedulerHandle;
+//! use offload_core::{MatchResult, NewRequest, RequestId, StepInput};
+//!
+//! let config = ConnectorConfig::from_toml_str("cpu_bytes_to_use = 65536\nblock_size = 64\n")?;
+//! let resolved = config.resolve(&EngineGeometry::new("my-model", 16, 4096))?;
+//! let memory = Arc::new(tier_testkit::VecSlotMemory::new(
+//!     resolved.pool.slot_count,
+//!     resolved.slot_bytes as usize,
+//! ));
+//! let manager = resolved.build_manager(memory, true)?;
+//! let mut scheduler = SchedulerHandle::new(resolved.scheduler, manager)?;
+//! scheduler.on_new_request(NewRequest { id: RequestId(1), prompt_tokens: 100, max_offload_tokens: None });
+//! let hashes: Vec<u64> = (1..=6).collect();
+//! assert_eq!(
+//!     scheduler.get_num_new_matched_tokens(RequestId(1), 100, &hashes, 0),
+//!     MatchResult::Tokens(0)
+//! );
+//! let meta = scheduler.build_connector_meta(&StepInput { step: 0, scheduled: &[], preempted: &[] });
+//! assert!(meta.loads.is_empty());
+//! assert!(scheduler.prometheus_text().contains("kvtier_pool_slots 4"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! Cargo features pick the tiers compiled in: `gpu` (tier-gpu's worker side, default), `fs`
 //! (tier-fs), `p2p` (tier-p2p).
 
