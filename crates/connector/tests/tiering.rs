@@ -594,3 +594,15 @@ fn a_promotion_stuck_behind_a_busy_tier_is_cancelled_at_its_deadline() {
         manager.outstanding()
     );
 }
+
+#[test]
+fn the_manager_and_the_handle_can_move_to_another_thread() {
+    fn send<T: Send>(_: &T) {}
+    let f = fixture(2, 1);
+    send(&f.manager);
+    let handle =
+        connector::SchedulerHandle::new(offload_core::SchedulerConfig::default(), f.manager)
+            .expect("handle");
+    send(&handle);
+    assert_eq!(handle.tiering().tier_count(), 1);
+}
