@@ -2,7 +2,9 @@
 //! serializes (`--json`) and renders as a table, so tests can call them without the binary.
 //!
 //! - [`bench_manager`]: `kvtier bench manager`, the host-pool manager alone on a trace.
+//! - [`bench_data`]: `kvtier bench host|fs|p2p`, each data path against the machine's ceiling.
 //! - [`progress`]: the progress line on stderr.
 
+pub mod bench_data;
 pub mod bench_manager;
 pub mod progress;

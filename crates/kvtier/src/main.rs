@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use kvtier::bench_data::{self, DataBenchReport};
 use kvtier::bench_manager::{self, ManagerBenchConfig, ManagerTrace};
 use kvtier::progress::Progress;
 use offload_core::EvictionPolicy;
@@ -35,6 +36,75 @@ enum Command {
 enum BenchCommand {
     /// Replays a trace at the host-pool manager alone and counts block operations per second.
     Manager(ManagerArgs),
+    /// The host copy path (engine memory <-> host pool) vs single-thread memcpy.
+    Host(HostArgs),
+    /// The disk tier vs raw O_DIRECT sequential I/O on the same directory.
+    Fs(FsArgs),
+    /// Peer fetch over loopback TCP vs a raw loopback socket with the same write size.
+    P2p(P2pArgs),
+}
+
+#[derive(Debug, Args)]
+struct HostArgs {
+    /// Chunk sizes in KiB, comma-separated.
+    #[arg(
+        long,
+        value_name = "LIST",
+        default_value = "64,256,1024,2048,4096,8192"
+    )]
+    chunk_kib: String,
+    /// MiB moved per job.
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    total_mib: u64,
+    /// Copy threads of the host path.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
+    threads: u64,
+    /// Repetitions; the best is reported.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    reps: u64,
+}
+
+/// I/O engine names on the command line.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum FsEngineArg {
+    /// io_uring where the kernel allows it, else plain syscalls.
+    Auto,
+    /// io_uring only.
+    Uring,
+    /// Plain pread/pwrite.
+    Sync,
+}
+
+#[derive(Debug, Args)]
+struct FsArgs {
+    /// Directory on the disk to measure (not tmpfs); default: the system's temporary directory.
+    #[arg(long, value_name = "DIR")]
+    dir: Option<PathBuf>,
+    /// Chunk sizes in KiB, comma-separated.
+    #[arg(long, value_name = "LIST", default_value = "256,1024,2048,4096,8192")]
+    chunk_kib: String,
+    /// MiB moved per pass.
+    #[arg(long, value_name = "N", default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1048576))]
+    total_mib: u64,
+    /// The tier's I/O engine.
+    #[arg(long, value_enum, default_value = "auto")]
+    engine: FsEngineArg,
+    /// The tier's worker threads (default: the tier's).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
+    workers: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+struct P2pArgs {
+    /// Chunk sizes in KiB, comma-separated.
+    #[arg(long, value_name = "LIST", default_value = "1024,2048,4096,8192")]
+    chunk_kib: String,
+    /// MiB moved per pass and chunk size.
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    total_mib: u64,
+    /// Alternating raw/tier rounds; the best of each is reported.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    rounds: u64,
 }
 
 /// Eviction policy names on the command line.
@@ -125,6 +195,15 @@ fn dispatch(cli: &Cli) -> Result<(), Failure> {
         Command::Bench {
             which: BenchCommand::Manager(args),
         } => bench_manager_cmd(args, cli.json),
+        Command::Bench {
+            which: BenchCommand::Host(args),
+        } => bench_host_cmd(args, cli.json),
+        Command::Bench {
+            which: BenchCommand::Fs(args),
+        } => bench_fs_cmd(args, cli.json),
+        Command::Bench {
+            which: BenchCommand::P2p(args),
+        } => bench_p2p_cmd(args, cli.json),
     }
 }
 
@@ -156,4 +235,67 @@ fn bench_manager_cmd(args: &ManagerArgs, json: bool) -> Result<(), Failure> {
         print!("{}", bench_manager::render(&report));
         Ok(())
     }
+}
+
+fn print_data_report(report: &DataBenchReport, json: bool) -> Result<(), Failure> {
+    if json {
+        print_json(report)
+    } else {
+        print!("{}", bench_data::render(report));
+        Ok(())
+    }
+}
+
+fn bench_host_cmd(args: &HostArgs, json: bool) -> Result<(), Failure> {
+    let config = tier_gpu::bench::HostBenchConfig {
+        total_bytes: (args.total_mib << 20) as usize,
+        chunk_sizes: bench_data::parse_kib_list(&args.chunk_kib, "--chunk-kib")
+            .map_err(Failure::Input)?,
+        threads: args.threads as usize,
+        reps: args.reps as usize,
+    };
+    let mut progress = Progress::new(!json);
+    let rows = tier_gpu::bench::run(&config, &mut |m| progress.set(m))
+        .map_err(|e| Failure::Check(format!("bench host: {e}")))?;
+    progress.finish();
+    let ceiling = "single-thread memcpy of the same chunks";
+    print_data_report(&DataBenchReport::new("host", ceiling, &rows), json)
+}
+
+fn bench_fs_cmd(args: &FsArgs, json: bool) -> Result<(), Failure> {
+    let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let mut config = tier_fs::bench::FsBenchConfig::new(dir);
+    config.chunk_sizes =
+        bench_data::parse_kib_list(&args.chunk_kib, "--chunk-kib").map_err(Failure::Input)?;
+    config.total_bytes = args.total_mib << 20;
+    config.engine = match args.engine {
+        FsEngineArg::Auto => tier_fs::EngineChoice::Auto,
+        FsEngineArg::Uring => tier_fs::EngineChoice::Uring,
+        FsEngineArg::Sync => tier_fs::EngineChoice::Sync,
+    };
+    if let Some(w) = args.workers {
+        config.workers = w as usize;
+    }
+    let mut progress = Progress::new(!json);
+    let rows = tier_fs::bench::run(&config, &mut |m| progress.set(m))
+        .map_err(|e| Failure::Check(format!("bench fs: {e}")))?;
+    progress.finish();
+    let ceiling = "raw O_DIRECT sequential I/O in the same directory";
+    print_data_report(&DataBenchReport::new("fs", ceiling, &rows), json)
+}
+
+fn bench_p2p_cmd(args: &P2pArgs, json: bool) -> Result<(), Failure> {
+    let config = tier_p2p::bench::P2pBenchConfig {
+        total_bytes: (args.total_mib << 20) as usize,
+        chunk_bytes: bench_data::parse_kib_list(&args.chunk_kib, "--chunk-kib")
+            .map_err(Failure::Input)?,
+        rounds: args.rounds as usize,
+        ..tier_p2p::bench::P2pBenchConfig::default()
+    };
+    let mut progress = Progress::new(!json);
+    let rows = tier_p2p::bench::run(&config, &mut |m| progress.set(m))
+        .map_err(|e| Failure::Check(format!("bench p2p: {e}")))?;
+    progress.finish();
+    let ceiling = "raw loopback TCP socket with the same write size";
+    print_data_report(&DataBenchReport::new("p2p", ceiling, &rows), json)
 }

@@ -134,3 +134,28 @@ fn bench_manager_json_fields_are_present_and_consistent() {
         assert_eq!(v["policy"], policy);
     }
 }
+
+#[test]
+fn bench_host_json_rows_have_path_ceiling_and_ratio() {
+    let out = kvtier(&[
+        "bench",
+        "host",
+        "--json",
+        "--chunk-kib",
+        "64,256",
+        "--total-mib",
+        "1",
+        "--reps",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 4, "a store and a load row per chunk size: {v}");
+    for r in rows {
+        let f = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {r}"));
+        assert!(f("gib_per_s") > 0.0 && f("ceiling_gib_per_s") > 0.0);
+        assert!((f("ratio") - f("gib_per_s") / f("ceiling_gib_per_s")).abs() < 1e-9);
+    }
+    assert_eq!(rows[2]["chunk_bytes"], 256 * 1024);
+}

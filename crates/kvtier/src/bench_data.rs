@@ -1,0 +1,133 @@
+//! `kvtier bench host|fs|p2p`: each data path and the machine's ceiling, measured in the same
+//! run by the tier crate's own benchmark (`tier_gpu::bench`, `tier_fs::bench`, `tier_p2p::bench`),
+//! printed side by side with their ratio per chunk size.
+
+use offload_core::BenchRow;
+use serde::Serialize;
+
+/// One row of the output: [`BenchRow`] with its ratio.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RatioRow {
+    /// What was measured (`store`, `load`, `fetch`).
+    pub op: String,
+    /// Bytes per chunk.
+    pub chunk_bytes: u64,
+    /// The path's throughput, GiB/s.
+    pub gib_per_s: f64,
+    /// The ceiling's throughput, GiB/s, same run.
+    pub ceiling_gib_per_s: f64,
+    /// `gib_per_s / ceiling_gib_per_s`.
+    pub ratio: f64,
+}
+
+/// The result of one `kvtier bench host|fs|p2p` (its `--json` output).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DataBenchReport {
+    /// `host`, `fs` or `p2p`.
+    pub bench: String,
+    /// What the ceiling is.
+    pub ceiling: String,
+    /// One row per direction and chunk size.
+    pub rows: Vec<RatioRow>,
+}
+
+impl DataBenchReport {
+    /// The report of `rows` from bench `bench` against `ceiling`.
+    pub fn new(bench: &str, ceiling: &str, rows: &[BenchRow]) -> Self {
+        Self {
+            bench: bench.into(),
+            ceiling: ceiling.into(),
+            rows: rows
+                .iter()
+                .map(|r| RatioRow {
+                    op: r.op.clone(),
+                    chunk_bytes: r.chunk_bytes,
+                    gib_per_s: r.gib_per_s,
+                    ceiling_gib_per_s: r.ceiling_gib_per_s,
+                    ratio: r.ratio(),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Chunk size for people: `64 KiB`, `1 MiB`, or bytes.
+fn size(bytes: u64) -> String {
+    if bytes >= 1 << 20 && bytes % (1 << 20) == 0 {
+        format!("{} MiB", bytes >> 20)
+    } else if bytes >= 1 << 10 && bytes % (1 << 10) == 0 {
+        format!("{} KiB", bytes >> 10)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// The report as a table for people.
+pub fn render(report: &DataBenchReport) -> String {
+    let mut out = format!(
+        "bench {}: path vs {} (same run)\n{:>10} {:>6} {:>11} {:>14} {:>7}\n",
+        report.bench, report.ceiling, "chunk", "op", "path GiB/s", "ceiling GiB/s", "ratio"
+    );
+    for r in &report.rows {
+        out.push_str(&format!(
+            "{:>10} {:>6} {:>11.2} {:>14.2} {:>7.2}\n",
+            size(r.chunk_bytes),
+            r.op,
+            r.gib_per_s,
+            r.ceiling_gib_per_s,
+            r.ratio
+        ));
+    }
+    out
+}
+
+/// Parses a comma-separated list of sizes in KiB (`64,1024`) into bytes; the error names `flag`.
+pub fn parse_kib_list(list: &str, flag: &str) -> Result<Vec<usize>, String> {
+    list.split(',')
+        .map(|s| {
+            let s = s.trim();
+            match s.parse::<usize>() {
+                Ok(k) if k > 0 && k <= (4 << 20) => Ok(k << 10),
+                _ => Err(format!(
+                    "{flag}: {s:?} is not a size in KiB from 1 to 4194304"
+                )),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_carry_their_ratio_and_render() {
+        let rows = [BenchRow {
+            op: "load".into(),
+            chunk_bytes: 1 << 20,
+            gib_per_s: 3.0,
+            ceiling_gib_per_s: 4.0,
+        }];
+        let report = DataBenchReport::new("host", "memcpy", &rows);
+        assert!((report.rows[0].ratio - 0.75).abs() < 1e-12);
+        let text = render(&report);
+        assert!(text.contains("1 MiB") && text.contains("0.75"), "{text}");
+        let json = serde_json::to_value(&report).unwrap();
+        for field in ["chunk_bytes", "gib_per_s", "ceiling_gib_per_s", "ratio"] {
+            assert!(json["rows"][0].get(field).is_some(), "{field}");
+        }
+    }
+
+    #[test]
+    fn kib_lists_parse_and_bad_items_are_named() {
+        assert_eq!(
+            parse_kib_list("64, 1024", "--chunk-kib").unwrap(),
+            [64 << 10, 1 << 20]
+        );
+        let err = parse_kib_list("64,x", "--chunk-kib").unwrap_err();
+        assert!(
+            err.contains("--chunk-kib") && err.contains("\"x\""),
+            "{err}"
+        );
+    }
+}
