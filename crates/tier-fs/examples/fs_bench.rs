@@ -2,7 +2,7 @@
 //! over [`tier_fs::bench::run`] that prints its progress lines and a table of ratios.
 //!
 //! Usage: `cargo run --release -p tier-fs --example fs_bench -- [DIR] [--engine auto|uring|sync]
-//! [--total-mib N] [--workers N] [--sizes-kib 256,1024,...]` (DIR defaults to the system's
+//! [--total-mib N] [--workers N] [--repeats N] [--sizes-kib 256,1024,...]` (DIR defaults to the system's
 //! temporary directory; it must be on the disk to measure, not tmpfs).
 
 use tier_fs::bench::{run, FsBenchConfig};
@@ -28,6 +28,7 @@ fn parse_args() -> Result<FsBenchConfig, String> {
                 }
             }
             "--workers" => config.workers = number(it.next(), "--workers")?,
+            "--repeats" => config.repeats = number(it.next(), "--repeats")?,
             "--total-mib" => config.total_bytes = number::<u64>(it.next(), "--total-mib")? << 20,
             "--sizes-kib" => {
                 let list = it.next().ok_or("--sizes-kib needs a list")?;
@@ -61,6 +62,10 @@ fn main() -> Result<(), String> {
             row.ratio()
         );
     }
-    println!("(GiB/s; ceiling = the better of raw O_DIRECT at queue depth 1 and at the tier's depth, same directory, same run)");
+    println!(
+        "(GiB/s, best of {} rounds each; ceiling = the better of raw O_DIRECT at queue depth 1 \
+         and at the tier's depth, same directory, same run)",
+        config.repeats
+    );
     Ok(())
 }
