@@ -1,7 +1,9 @@
 //! Peer fetch throughput against a raw loopback socket with the same write size, measured in the
 //! same run: a thin command-line wrapper over [`tier_p2p::bench::run`].
 //!
-//! Usage: `cargo run --release -p tier-p2p --example p2p_bench -- [--total-mib N] [--rounds N]`
+//! Usage: `cargo run --release -p tier-p2p --example p2p_bench -- [--total-mib N] [--rounds N]
+//! [--nixl]` (`--nixl` also measures the NIXL data plane: build with `--features nixl` and make
+//! the NIXL library findable, see `tier_p2p::nixl`).
 
 use tier_p2p::bench::{self, P2pBenchConfig};
 
@@ -9,12 +11,16 @@ fn main() {
     let mut config = P2pBenchConfig::default();
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
+        if arg == "--nixl" {
+            config.nixl = true;
+            continue;
+        }
         let value: Option<usize> = args.next().and_then(|v| v.parse().ok());
         match (arg.as_str(), value) {
             ("--total-mib", Some(v)) => config.total_bytes = v << 20,
             ("--rounds", Some(v)) => config.rounds = v,
             _ => {
-                eprintln!("usage: p2p_bench [--total-mib N] [--rounds N]");
+                eprintln!("usage: p2p_bench [--total-mib N] [--rounds N] [--nixl]");
                 std::process::exit(2);
             }
         }
@@ -32,12 +38,13 @@ fn main() {
         }
     };
     println!(
-        "{:>6} {:>9} {:>9} {:>7}",
-        "chunk", "raw tcp", "p2p", "ratio"
+        "{:>10} {:>6} {:>9} {:>9} {:>7}",
+        "path", "chunk", "raw tcp", "p2p", "ratio"
     );
     for row in rows {
         println!(
-            "{:>4}Mi {:>9.2} {:>9.2} {:>7.2}",
+            "{:>10} {:>4}Mi {:>9.2} {:>9.2} {:>7.2}",
+            row.op,
             row.chunk_bytes >> 20,
             row.ceiling_gib_per_s,
             row.gib_per_s,

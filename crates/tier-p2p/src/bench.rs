@@ -5,12 +5,13 @@
 //! in this process, where A publishes the chunks and B loads them over loopback (one connection,
 //! jobs of several chunks, two jobs in flight, every chunk received straight into B's slots and
 //! verified by checksum). Rounds alternate raw and tier so that drift in the machine hits both
-//! alike; the best round of each is reported. `kvtier bench p2p` and the `p2p_bench` example
-//! call [`run`].
+//! alike; the best round of each is reported. With the `nixl` feature and `nixl` set, a second
+//! fetching instance moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling).
+//! `kvtier bench p2p` and the `p2p_bench` example call [`run`].
 
 use std::cell::UnsafeCell;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,6 +37,8 @@ pub struct P2pBenchConfig {
     pub rounds: usize,
     /// Host slots on the fetching side; two jobs of half of them each are in flight.
     pub slot_count: u32,
+    /// Also measure the NIXL data plane (feature `nixl`; an error if NIXL cannot run).
+    pub nixl: bool,
 }
 
 impl Default for P2pBenchConfig {
@@ -46,6 +49,7 @@ impl Default for P2pBenchConfig {
             chunk_bytes: vec![MIB, 2 * MIB, 4 * MIB, 8 * MIB],
             rounds: 5,
             slot_count: 16,
+            nixl: false,
         }
     }
 }
@@ -69,50 +73,83 @@ pub fn run(
                 "p2p bench: chunk size {bytes} is not in 1..=u32::MAX"
             ));
         }
-        let row = measure(config, bytes)?;
-        progress(&format!(
-            "fetch {:>6} KiB: raw tcp {:.2} GiB/s, p2p {:.2} GiB/s, ratio {:.2}",
-            bytes / 1024,
-            row.ceiling_gib_per_s,
-            row.gib_per_s,
-            row.ratio()
-        ));
-        rows.push(row);
+        for row in measure(config, bytes)? {
+            progress(&format!(
+                "{} {:>6} KiB: raw tcp {:.2} GiB/s, p2p {:.2} GiB/s, ratio {:.2}",
+                row.op,
+                bytes / 1024,
+                row.ceiling_gib_per_s,
+                row.gib_per_s,
+                row.ratio()
+            ));
+            rows.push(row);
+        }
     }
     Ok(rows)
 }
 
-/// Both sides at one chunk size.
-fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<BenchRow, String> {
+/// Every path at one chunk size: the TCP row, then the NIXL row if asked.
+fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<Vec<BenchRow>, String> {
     let count = (config.total_bytes / bytes).max(1);
     let total = count * bytes;
     let a = publisher(count, bytes, total)?;
-    let memory: Arc<dyn SlotMemory> = Arc::new(FlatMemory::new(config.slot_count, bytes));
-    let mut b = fetcher(a.local_addr(), memory, bytes)?;
-    let mut pass = Pass {
-        tier: &mut b,
-        next_id: 1,
-        slot_count: config.slot_count,
-        bytes,
-    };
+    let mut paths = vec![("fetch", fetcher(&a, config, bytes, false)?)];
+    if config.nixl {
+        paths.push(("fetch-nixl", fetcher(&a, config, bytes, true)?));
+    }
+    let mut passes: Vec<Pass<'_>> = paths
+        .iter_mut()
+        .map(|(_, tier)| Pass {
+            tier,
+            next_id: 1,
+            slot_count: config.slot_count,
+            bytes,
+        })
+        .collect();
     // Warm-up: connects and warms the path.
-    pass.run(count.min(config.slot_count as usize))?;
-    let (mut raw, mut tier) = (0.0f64, 0.0f64);
+    for pass in &mut passes {
+        pass.run(count.min(config.slot_count as usize))?;
+    }
+    if config.nixl {
+        check_nixl_used(passes[1].tier)?;
+    }
+    let mut raw = 0.0f64;
+    let mut best = vec![0.0f64; passes.len()];
     for _ in 0..config.rounds {
         raw = raw.max(raw_loopback(bytes, total)?);
-        tier = tier.max(pass.run(count)?);
+        for (pass, best) in passes.iter_mut().zip(&mut best) {
+            *best = best.max(pass.run(count)?);
+        }
     }
-    Ok(BenchRow {
-        op: "fetch".into(),
-        chunk_bytes: bytes as u64,
-        gib_per_s: tier,
-        ceiling_gib_per_s: raw,
-    })
+    Ok(paths
+        .iter()
+        .zip(best)
+        .map(|((op, _), gib_per_s)| BenchRow {
+            op: (*op).into(),
+            chunk_bytes: bytes as u64,
+            gib_per_s,
+            ceiling_gib_per_s: raw,
+        })
+        .collect())
+}
+
+/// Fails unless `tier` fetched its chunks by NIXL (else the row would measure TCP).
+fn check_nixl_used(tier: &P2pTier) -> Result<(), String> {
+    if tier.stats().chunks_fetched_nixl > 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "nixl")]
+    let why = crate::nixl::available()
+        .err()
+        .unwrap_or_else(|| "NIXL is loaded but the fetch went over TCP (see the log)".into());
+    #[cfg(not(feature = "nixl"))]
+    let why = "tier-p2p was built without the `nixl` feature".to_owned();
+    Err(format!("p2p bench: cannot measure NIXL: {why}"))
 }
 
 /// A host pool in one prefaulted allocation with stable slot addresses (like a pinned pool), so
-/// that payloads are received straight into the slots.
-struct FlatMemory {
+/// that payloads are received straight into the slots (and NIXL can register them).
+pub struct FlatSlotMemory {
     bytes: Box<[UnsafeCell<u8>]>,
     slot_bytes: usize,
     slot_count: u32,
@@ -120,10 +157,12 @@ struct FlatMemory {
 
 // SAFETY: the `Tier` ownership rules give each in-flight job exclusive use of its slots, so no
 // two threads touch the same bytes at once; the cells are only reached through those rules.
-unsafe impl Sync for FlatMemory {}
+unsafe impl Sync for FlatSlotMemory {}
 
-impl FlatMemory {
-    fn new(slot_count: u32, slot_bytes: usize) -> Self {
+impl FlatSlotMemory {
+    /// `slot_count` slots of `slot_bytes`, every byte written (a pattern) so the pool is
+    /// prefaulted.
+    pub fn new(slot_count: u32, slot_bytes: usize) -> Self {
         // Writing every byte prefaults the pool before any measurement.
         let bytes = (0..slot_count as usize * slot_bytes)
             .map(|i| UnsafeCell::new((i % 251) as u8))
@@ -145,7 +184,7 @@ impl FlatMemory {
     }
 }
 
-impl SlotMemory for FlatMemory {
+impl SlotMemory for FlatSlotMemory {
     fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }
@@ -220,7 +259,7 @@ fn bench_config(bytes: usize, total: usize) -> P2pConfig {
 
 /// A fresh instance that publishes `count` chunks of `bytes` (all from one filled slot).
 fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String> {
-    let memory: Arc<dyn SlotMemory> = Arc::new(FlatMemory::new(1, bytes));
+    let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(1, bytes));
     let mut tier = P2pTier::new(bench_config(bytes, total), memory)
         .map_err(|e| format!("p2p bench: publisher: {e}"))?;
     let chunks = (0..count)
@@ -239,9 +278,17 @@ fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String
     Ok(tier)
 }
 
-fn fetcher(peer: SocketAddr, memory: Arc<dyn SlotMemory>, bytes: usize) -> Result<P2pTier, String> {
+/// A fetching instance with `publisher` as its peer and its own slots; `nixl` picks the data plane.
+fn fetcher(
+    publisher: &P2pTier,
+    bench: &P2pBenchConfig,
+    bytes: usize,
+    nixl: bool,
+) -> Result<P2pTier, String> {
+    let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(bench.slot_count, bytes));
     let mut config = bench_config(bytes, bytes);
-    config.peers = vec![peer];
+    config.peers = vec![publisher.local_addr()];
+    config.nixl = nixl;
     P2pTier::new(config, memory).map_err(|e| format!("p2p bench: fetcher: {e}"))
 }
 
@@ -329,6 +376,7 @@ mod tests {
             chunk_bytes: vec![64 * 1024, 128 * 1024],
             rounds: 1,
             slot_count: 4,
+            nixl: false,
         };
         let mut lines = Vec::new();
         let rows = run(&config, &mut |line| lines.push(line.to_owned())).expect("bench runs");

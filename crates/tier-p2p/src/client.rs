@@ -29,6 +29,10 @@ const HASH_PIECE_BYTES: usize = 256 * 1024;
 /// Bytes read at a time when a payload is discarded.
 const DISCARD_PIECE_BYTES: usize = 1 << 20;
 
+#[cfg(feature = "nixl")]
+#[path = "client_nixl.rs"]
+mod nixl_fetch;
+
 /// A job for the client worker.
 #[derive(Debug)]
 pub(crate) enum ClientCommand {
@@ -55,6 +59,9 @@ struct Peer {
     retry_at: Option<Instant>,
     /// When the connection last carried a request.
     used_at: Instant,
+    /// NIXL state of the current connection.
+    #[cfg(feature = "nixl")]
+    nixl: nixl_fetch::PeerNixl,
 }
 
 /// Why a fetch from one peer stopped early.
@@ -73,6 +80,10 @@ impl From<P2pError> for Stop {
 
 /// The client worker's state.
 pub(crate) struct Client {
+    /// NIXL registrations of the host slots, by slot index. Declared before `memory`, so they
+    /// are dropped (deregistered) before the last handle to the memory can go.
+    #[cfg(feature = "nixl")]
+    slot_registrations: Vec<Option<nixl_sys::RegistrationHandle>>,
     shared: Arc<Shared>,
     memory: Arc<dyn SlotMemory>,
     control: Arc<Control>,
@@ -99,9 +110,13 @@ impl Client {
                 failures: 0,
                 retry_at: None,
                 used_at: Instant::now(),
+                #[cfg(feature = "nixl")]
+                nixl: nixl_fetch::PeerNixl::default(),
             })
             .collect();
         Self {
+            #[cfg(feature = "nixl")]
+            slot_registrations: Vec::new(),
             shared,
             memory,
             control,
@@ -232,6 +247,10 @@ impl Client {
 
     /// GETs the chunks of `work` not yet done from peer `p`, in batches.
     fn fetch(&mut self, p: usize, work: &Work, done: &mut [bool]) -> Result<(), Stop> {
+        #[cfg(feature = "nixl")]
+        if self.nixl_usable(p, work, done) && self.fetch_nixl(p, work, done)? {
+            return Ok(());
+        }
         let pending: Vec<usize> = (0..work.chunks.len()).filter(|&i| !done[i]).collect();
         for batch in pending.chunks(self.shared.config.keys_per_request_max) {
             let keys: Vec<ChunkKey> = batch.iter().map(|&i| work.chunks[i].0).collect();
@@ -416,6 +435,8 @@ impl Client {
 
     /// Drops peer `p`'s connection without counting a failure.
     fn disconnect(&mut self, p: usize) {
+        #[cfg(feature = "nixl")]
+        self.forget_nixl(p);
         if let Some(conn) = self.peers[p].conn.take() {
             conn.shutdown();
             self.control.unregister(p);
@@ -425,6 +446,8 @@ impl Client {
 
     /// Marks peer `p` down after `error`, until its backoff has passed.
     fn fail(&mut self, p: usize, error: &P2pError) {
+        #[cfg(feature = "nixl")]
+        self.forget_nixl(p);
         if let Some(conn) = self.peers[p].conn.take() {
             conn.shutdown();
             self.control.unregister(p);

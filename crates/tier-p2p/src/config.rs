@@ -89,6 +89,9 @@ pub struct P2pConfig {
     /// server accepts only requests, so it holds its incoming frames to the size of a HELLO or
     /// of a request of `keys_per_request_max` keys, whichever is larger.
     pub frame_body_bytes_max: usize,
+    /// With the `nixl` feature: move fetched bytes by NIXL READ when the NIXL library loads at
+    /// run time and the peer offers it (else, and without the feature, over the TCP stream).
+    pub nixl: bool,
 }
 
 impl fmt::Debug for P2pConfig {
@@ -103,6 +106,7 @@ impl fmt::Debug for P2pConfig {
             .field("lookup_cache_ttl", &self.lookup_cache_ttl)
             .field("fetch_deadline", &self.fetch_deadline)
             .field("frame_body_bytes_max", &self.frame_body_bytes_max)
+            .field("nixl", &self.nixl)
             .finish_non_exhaustive()
     }
 }
@@ -129,6 +133,7 @@ impl P2pConfig {
             jobs_in_flight_max: 256,
             keys_per_request_max: 4096,
             frame_body_bytes_max: (64 << 20) + DATA_PREFIX_BYTES,
+            nixl: true,
         }
     }
 

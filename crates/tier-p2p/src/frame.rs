@@ -15,9 +15,16 @@
 //! | DATA (6) | `key | u64 xxh3 checksum | payload` (the payload's length is the body's, less 20) |
 //! | END (7) | `u32 number of DATA frames sent for the GET` |
 //! | ERROR (8) | UTF-8 message, at most 1024 bytes |
+//! | NIXL_GET (9) | `u32 count | count keys` |
+//! | NIXL_OFFER (10) | `u32 c | c bytes of NIXL connection metadata | u32 n | n bytes of NIXL metadata of the chunks | u32 count | count × (key | u64 xxh3 | u64 address | u32 length)` |
+//! | NIXL_DONE (11) | empty |
 //!
 //! A GET is answered by one DATA frame per requested key that the server holds, in request
-//! order, then END; keys without a DATA frame are not held. The decoder never panics, and a
+//! order, then END; keys without a DATA frame are not held. A NIXL_GET is answered by one NIXL_OFFER:
+//! the server agent's connection metadata (empty when the server has no NIXL data plane, which
+//! tells the client to use GET), its metadata for the offered chunks, and where each held key lies in the server's
+//! registered memory; the server keeps those chunks alive and registered until the client's
+//! NIXL_DONE (or its next request, or the connection's end), while the client READs them. The decoder never panics, and a
 //! [`FrameReader`] never holds a buffer larger than its maximum body size.
 
 use std::io::{self, Read};
@@ -67,6 +74,12 @@ pub enum FrameKind {
     End = 7,
     /// A refusal or failure, with a message; the sender closes the connection after it.
     Error = 8,
+    /// Describe these keys for a NIXL READ, and keep them until NIXL_DONE.
+    NixlGet = 9,
+    /// Answer to NIXL_GET: metadata and the held keys' registered addresses.
+    NixlOffer = 10,
+    /// The client finished reading the offered chunks.
+    NixlDone = 11,
 }
 
 impl FrameKind {
@@ -81,6 +94,9 @@ impl FrameKind {
             6 => FrameKind::Data,
             7 => FrameKind::End,
             8 => FrameKind::Error,
+            9 => FrameKind::NixlGet,
+            10 => FrameKind::NixlOffer,
+            11 => FrameKind::NixlDone,
             _ => return None,
         })
     }
@@ -137,6 +153,22 @@ pub struct Hello {
     pub namespace: Vec<u8>,
 }
 
+/// One chunk offered for a NIXL READ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NixlChunk {
+    /// The chunk's key.
+    pub key: ChunkKey,
+    /// xxh3-64 of the chunk's bytes, computed where it was published.
+    pub checksum: u64,
+    /// The chunk's address in the server's registered memory.
+    pub addr: u64,
+    /// The chunk's length in bytes.
+    pub len: u32,
+}
+
+/// Bytes of one encoded [`NixlChunk`].
+pub const NIXL_CHUNK_BYTES: usize = KEY_BYTES + 8 + 8 + 4;
+
 /// One decoded frame. DATA borrows its payload from the decoder's buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame<'a> {
@@ -166,6 +198,19 @@ pub enum Frame<'a> {
     },
     /// A refusal or failure.
     Error(String),
+    /// Describe these keys for a NIXL READ.
+    NixlGet(Vec<ChunkKey>),
+    /// Answer to NIXL_GET.
+    NixlOffer {
+        /// The server agent's connection metadata (empty: no NIXL data plane there).
+        connection: &'a [u8],
+        /// The server's NIXL metadata of the offered chunks.
+        metadata: &'a [u8],
+        /// The held keys, in request order.
+        chunks: Vec<NixlChunk>,
+    },
+    /// The client finished reading the offered chunks.
+    NixlDone,
 }
 
 impl Frame<'_> {
@@ -180,6 +225,9 @@ impl Frame<'_> {
             Frame::Data { .. } => FrameKind::Data,
             Frame::End { .. } => FrameKind::End,
             Frame::Error(_) => FrameKind::Error,
+            Frame::NixlGet(_) => FrameKind::NixlGet,
+            Frame::NixlOffer { .. } => FrameKind::NixlOffer,
+            Frame::NixlDone => FrameKind::NixlDone,
         }
     }
 
@@ -194,7 +242,7 @@ impl Frame<'_> {
         match self {
             Frame::Hello(hello) => encode_hello(hello, out),
             Frame::Auth(mac) => out.extend_from_slice(mac),
-            Frame::Have(keys) | Frame::Get(keys) => encode_keys(keys, out),
+            Frame::Have(keys) | Frame::Get(keys) | Frame::NixlGet(keys) => encode_keys(keys, out),
             Frame::HaveReply(flags) => encode_flags(flags, out),
             Frame::Data {
                 key,
@@ -207,6 +255,12 @@ impl Frame<'_> {
             }
             Frame::End { sent } => out.extend_from_slice(&sent.to_le_bytes()),
             Frame::Error(message) => out.extend_from_slice(cut(message).as_bytes()),
+            Frame::NixlOffer {
+                connection,
+                metadata,
+                chunks,
+            } => encode_offer(connection, metadata, chunks, out),
+            Frame::NixlDone => {}
         }
         let body_len = out.len() - start - HEADER_BYTES;
         let len = u32::try_from(body_len).unwrap_or(u32::MAX);
@@ -248,6 +302,25 @@ fn encode_hello(hello: &Hello, out: &mut Vec<u8>) {
     // At most NAMESPACE_BYTES_MAX, which fits a u16.
     out.extend_from_slice(&(namespace.len() as u16).to_le_bytes());
     out.extend_from_slice(namespace);
+}
+
+fn encode_blob(blob: &[u8], out: &mut Vec<u8>) {
+    let len = u32::try_from(blob.len()).unwrap_or(u32::MAX);
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&blob[..len as usize]);
+}
+
+fn encode_offer(connection: &[u8], metadata: &[u8], chunks: &[NixlChunk], out: &mut Vec<u8>) {
+    encode_blob(connection, out);
+    encode_blob(metadata, out);
+    let count = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
+    out.extend_from_slice(&count.to_le_bytes());
+    for chunk in chunks.iter().take(count as usize) {
+        encode_key(chunk.key, out);
+        out.extend_from_slice(&chunk.checksum.to_le_bytes());
+        out.extend_from_slice(&chunk.addr.to_le_bytes());
+        out.extend_from_slice(&chunk.len.to_le_bytes());
+    }
 }
 
 fn encode_key(key: ChunkKey, out: &mut Vec<u8>) {
@@ -323,6 +396,9 @@ pub fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame<'_>, FrameError
         FrameKind::Auth => Frame::Auth(cursor.array()?),
         FrameKind::Have => Frame::Have(decode_keys(&mut cursor)?),
         FrameKind::Get => Frame::Get(decode_keys(&mut cursor)?),
+        FrameKind::NixlGet => Frame::NixlGet(decode_keys(&mut cursor)?),
+        FrameKind::NixlOffer => decode_offer(&mut cursor)?,
+        FrameKind::NixlDone => Frame::NixlDone,
         FrameKind::HaveReply => Frame::HaveReply(decode_flags(&mut cursor)?),
         FrameKind::Data => {
             let key = cursor.key()?;
@@ -378,6 +454,35 @@ fn decode_hello(cursor: &mut Cursor<'_>) -> Result<Hello, FrameError> {
         secret_required: flags & FLAG_SECRET != 0,
         nonce,
         namespace,
+    })
+}
+
+fn decode_offer<'a>(cursor: &mut Cursor<'a>) -> Result<Frame<'a>, FrameError> {
+    let len = u32::from_le_bytes(cursor.array()?) as usize;
+    let connection = cursor.take(len)?;
+    let len = u32::from_le_bytes(cursor.array()?) as usize;
+    let metadata = cursor.take(len)?;
+    let count = u32::from_le_bytes(cursor.array()?) as usize;
+    if count.checked_mul(NIXL_CHUNK_BYTES) != Some(cursor.remaining()) {
+        return Err(cursor.malformed(format!(
+            "{count} offered chunks but {} bytes of them",
+            cursor.remaining()
+        )));
+    }
+    // The count is bounded by the body length, itself bounded by the frame maximum.
+    let mut chunks = Vec::with_capacity(count);
+    for _ in 0..count {
+        chunks.push(NixlChunk {
+            key: cursor.key()?,
+            checksum: u64::from_le_bytes(cursor.array()?),
+            addr: u64::from_le_bytes(cursor.array()?),
+            len: u32::from_le_bytes(cursor.array()?),
+        });
+    }
+    Ok(Frame::NixlOffer {
+        connection,
+        metadata,
+        chunks,
     })
 }
 
@@ -581,6 +686,57 @@ mod tests {
         });
         round_trip(&Frame::End { sent: 3 });
         round_trip(&Frame::Error("no".to_owned()));
+        round_trip(&Frame::NixlGet(vec![ChunkKey::new(8, 2)]));
+        round_trip(&Frame::NixlDone);
+        round_trip(&Frame::NixlOffer {
+            connection: b"",
+            metadata: b"",
+            chunks: Vec::new(),
+        });
+        round_trip(&Frame::NixlOffer {
+            connection: b"agent connection",
+            metadata: b"agent metadata",
+            chunks: vec![
+                NixlChunk {
+                    key: ChunkKey::new(1, 0),
+                    checksum: 5,
+                    addr: 0x7f00_0000_1000,
+                    len: 1 << 20,
+                },
+                NixlChunk {
+                    key: ChunkKey::new(u64::MAX, 9),
+                    checksum: u64::MAX,
+                    addr: u64::MAX,
+                    len: u32::MAX,
+                },
+            ],
+        });
+    }
+
+    #[test]
+    fn offer_with_wrong_chunk_bytes_is_malformed() {
+        let mut bytes = Vec::new();
+        Frame::NixlOffer {
+            connection: b"c",
+            metadata: b"md",
+            chunks: vec![NixlChunk {
+                key: ChunkKey::new(1, 0),
+                checksum: 5,
+                addr: 6,
+                len: 7,
+            }],
+        }
+        .encode(&mut bytes);
+        // Say 2 chunks where one is encoded.
+        let count_at = HEADER_BYTES + 4 + 1 + 4 + 2;
+        bytes[count_at..count_at + 4].copy_from_slice(&2u32.to_le_bytes());
+        assert!(matches!(
+            decode(&bytes, 1 << 20),
+            Err(FrameError::Malformed {
+                kind: FrameKind::NixlOffer,
+                ..
+            })
+        ));
     }
 
     #[test]

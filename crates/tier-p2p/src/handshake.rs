@@ -129,6 +129,13 @@ fn other_owned(frame: Frame<'_>) -> Frame<'static> {
         },
         Frame::End { sent } => Frame::End { sent },
         Frame::Error(m) => Frame::Error(m),
+        Frame::NixlGet(k) => Frame::NixlGet(k),
+        Frame::NixlOffer { chunks, .. } => Frame::NixlOffer {
+            connection: &[],
+            metadata: &[],
+            chunks,
+        },
+        Frame::NixlDone => Frame::NixlDone,
     }
 }
 

@@ -15,8 +15,11 @@
 //! `connections_max`), one local worker (publishing, local loads) and one client worker that
 //! owns one connection per peer (so one request in flight per peer). No async runtime.
 //!
-//! Not here (yet): the NIXL/RDMA data plane (a later `nixl` feature); a pre-faulted arena for
-//! published chunks (each publish allocates its copy).
+//! With the `nixl` feature, a GET's bytes can move by NIXL READ (RDMA or another UCX transport)
+//! while the TCP connection carries the control messages and checksums ([`nixl`]); without the
+//! NIXL library at run time, or with a peer that does not offer it, the TCP stream is used.
+//!
+//! Not here (yet): a pre-faulted arena for published chunks (each publish allocates its copy).
 
 pub mod auth;
 pub mod bench;
@@ -27,6 +30,8 @@ pub mod error;
 pub mod frame;
 mod handshake;
 mod lookup;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod server;
 mod shared;
 pub mod stats;

@@ -1,5 +1,7 @@
 //! The server: an accept thread and one handler thread per connection (at most
-//! `connections_max`), serving HAVE and GET from the published-chunk store after a handshake.
+//! `connections_max`), serving HAVE, GET and NIXL_GET from the published-chunk store after a
+//! handshake. Chunks offered for a NIXL READ stay lent to the connection (alive and registered)
+//! until its next request or its end.
 //! A malformed or oversized frame, a refused handshake or an idle connection closes that
 //! connection with a log line; the server itself keeps running.
 
@@ -15,10 +17,11 @@ use offload_core::ChunkKey;
 use crate::config::P2pConfig;
 use crate::conn::Conn;
 use crate::error::{P2pError, P2pErrorKind};
-use crate::frame::{Frame, FrameError, FrameKind, FRAME_BODY_BYTES_MIN, KEY_BYTES};
+use crate::frame::{Frame, FrameError, FrameKind, NixlChunk, FRAME_BODY_BYTES_MIN, KEY_BYTES};
 use crate::handshake;
 use crate::shared::{lock, log, spawn, Shared};
 use crate::stats::add;
+use crate::store::PublishedChunk;
 
 /// How long a refusal of a busy server may take to write.
 const BUSY_WRITE_TIMEOUT: Duration = Duration::from_millis(100);
@@ -240,14 +243,20 @@ fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Result<(), P2p
     let config = &shared.config;
     let mut conn = Conn::new(stream, peer, request_body_max(config))?;
     handshake::server(&mut conn, &shared.identity, config.handshake_deadline)?;
+    // Chunks offered by the last NIXL_OFFER: the client READs them until its next request.
+    let mut lent: Vec<Arc<PublishedChunk>> = Vec::new();
     loop {
         conn.set_timeout(config.idle_timeout);
         let request = match conn.recv("receive request") {
             Ok(Frame::Have(keys)) => Request::Have(keys),
             Ok(Frame::Get(keys)) => Request::Get(keys),
+            Ok(Frame::NixlGet(keys)) => Request::NixlGet(keys),
+            Ok(Frame::NixlDone) => Request::NixlDone,
             Ok(other) => Request::Other(other.kind()),
             Err(error) => return Err(tell(&mut conn, error)),
         };
+        // Every request means the client finished with the last offer.
+        lent.clear();
         match request {
             Request::Have(keys) => {
                 check_count(&mut conn, keys.len(), config.keys_per_request_max)?;
@@ -261,12 +270,23 @@ fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Result<(), P2p
                 check_count(&mut conn, keys.len(), config.keys_per_request_max)?;
                 send_chunks(shared, &mut conn, &keys)?;
             }
+            Request::NixlGet(keys) => {
+                check_count(&mut conn, keys.len(), config.keys_per_request_max)?;
+                let offer = offer(shared, &keys, &mut lent);
+                let frame = Frame::NixlOffer {
+                    connection: &offer.connection,
+                    metadata: &offer.metadata,
+                    chunks: offer.chunks,
+                };
+                conn.send(&frame, "send NIXL_OFFER")?;
+            }
+            Request::NixlDone => {}
             Request::Other(found) => {
                 let error = P2pError::Frame {
                     op: "receive request",
                     peer,
                     source: FrameError::Unexpected {
-                        expected: "HAVE or GET",
+                        expected: "HAVE, GET, NIXL_GET or NIXL_DONE",
                         found,
                     },
                 };
@@ -280,6 +300,8 @@ fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Result<(), P2p
 enum Request {
     Have(Vec<ChunkKey>),
     Get(Vec<ChunkKey>),
+    NixlGet(Vec<ChunkKey>),
+    NixlDone,
     Other(FrameKind),
 }
 
@@ -304,6 +326,78 @@ fn check_count(conn: &mut Conn, count: usize, max: usize) -> Result<(), P2pError
         },
     };
     Err(tell(conn, error))
+}
+
+/// The parts of a NIXL_OFFER; all empty: no NIXL data plane here.
+#[derive(Default)]
+struct Offer {
+    connection: Vec<u8>,
+    metadata: Vec<u8>,
+    chunks: Vec<NixlChunk>,
+}
+
+/// What to offer for a NIXL_GET of `keys`: the agent's connection metadata, the NIXL metadata
+/// of the held chunks (registered on first offer), and the chunks, which go into `lent`.
+/// Without a NIXL data plane the offer is empty, which tells the client to use GET.
+#[cfg(feature = "nixl")]
+fn offer(shared: &Shared, keys: &[ChunkKey], lent: &mut Vec<Arc<PublishedChunk>>) -> Offer {
+    let Some(plane) = shared.nixl.get() else {
+        return Offer::default();
+    };
+    let mut chunks = Vec::new();
+    let mut spans = Vec::new();
+    for &key in keys {
+        let Some(chunk) = lock(&shared.store).get(key) else {
+            continue;
+        };
+        let (addr, len) = (chunk.bytes.as_ptr() as usize, chunk.bytes.len());
+        let registered = chunk.registration.get_or_init(|| {
+            // The bytes live (at this address) as long as the chunk, which drops the
+            // registration before them.
+            plane
+                .register(addr, len)
+                .map_err(|reason| log(format_args!("cannot offer {key:?}: {reason}")))
+                .ok()
+        });
+        if registered.is_none() {
+            continue;
+        }
+        spans.push((addr, len));
+        chunks.push(NixlChunk {
+            key,
+            checksum: chunk.checksum,
+            addr: addr as u64,
+            len: len as u32,
+        });
+        lent.push(chunk);
+    }
+    // Connection metadata is what `partial_metadata` gives for no spans.
+    let parts = plane
+        .partial_metadata(&[])
+        .and_then(|connection| Ok((connection, plane.partial_metadata(&spans)?)));
+    match parts {
+        Ok((connection, metadata)) => {
+            add(&shared.counters.chunks_offered_nixl, chunks.len() as u64);
+            Offer {
+                connection,
+                metadata,
+                chunks,
+            }
+        }
+        Err(reason) => {
+            log(format_args!(
+                "NIXL offer refused, client will use GET: {reason}"
+            ));
+            lent.clear();
+            Offer::default()
+        }
+    }
+}
+
+/// Without the `nixl` feature there is no NIXL data plane: an empty offer.
+#[cfg(not(feature = "nixl"))]
+fn offer(_shared: &Shared, _keys: &[ChunkKey], _lent: &mut Vec<Arc<PublishedChunk>>) -> Offer {
+    Offer::default()
 }
 
 /// Answers a GET: one DATA frame per held key, in request order, then END.

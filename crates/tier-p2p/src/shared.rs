@@ -21,6 +21,9 @@ pub(crate) struct Shared {
     pub(crate) store: Mutex<PublishedStore>,
     /// Counters.
     pub(crate) counters: Counters,
+    /// The NIXL data plane, made on first use when enabled and its library loads.
+    #[cfg(feature = "nixl")]
+    pub(crate) nixl: crate::nixl::LazyPlane,
 }
 
 /// Locks `mutex`. A panic while it was held cannot leave the store or the tables inconsistent

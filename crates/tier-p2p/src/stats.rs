@@ -27,6 +27,10 @@ pub struct P2pStats {
     pub chunks_fetched: u64,
     /// Bytes fetched from peers and verified.
     pub bytes_fetched: u64,
+    /// Of `chunks_fetched`, those whose bytes came by NIXL READ (feature `nixl`).
+    pub chunks_fetched_nixl: u64,
+    /// Chunks this instance's server offered for a NIXL READ (feature `nixl`).
+    pub chunks_offered_nixl: u64,
     /// Chunks this instance's server sent.
     pub chunks_served: u64,
     /// Bytes this instance's server sent.
@@ -56,6 +60,8 @@ pub(crate) struct Counters {
     pub(crate) lookup_timeouts: AtomicU64,
     pub(crate) chunks_fetched: AtomicU64,
     pub(crate) bytes_fetched: AtomicU64,
+    pub(crate) chunks_fetched_nixl: AtomicU64,
+    pub(crate) chunks_offered_nixl: AtomicU64,
     pub(crate) chunks_served: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) checksum_mismatches: AtomicU64,
@@ -86,6 +92,8 @@ impl Counters {
             lookup_timeouts: get(&self.lookup_timeouts),
             chunks_fetched: get(&self.chunks_fetched),
             bytes_fetched: get(&self.bytes_fetched),
+            chunks_fetched_nixl: get(&self.chunks_fetched_nixl),
+            chunks_offered_nixl: get(&self.chunks_offered_nixl),
             chunks_served: get(&self.chunks_served),
             bytes_served: get(&self.bytes_served),
             checksum_mismatches: get(&self.checksum_mismatches),

@@ -16,10 +16,26 @@ use offload_core::ChunkKey;
 /// One published chunk.
 #[derive(Debug)]
 pub(crate) struct PublishedChunk {
+    /// Its NIXL registration, made when it is first offered (`None` inside: registration
+    /// failed). Declared before `bytes`, so it is dropped (deregistered) before they are freed.
+    #[cfg(feature = "nixl")]
+    pub(crate) registration: std::sync::OnceLock<Option<nixl_sys::RegistrationHandle>>,
     /// The chunk's bytes.
     pub(crate) bytes: Box<[u8]>,
     /// xxh3-64 of `bytes`, computed when it was published.
     pub(crate) checksum: u64,
+}
+
+impl PublishedChunk {
+    /// A chunk of `bytes` with their checksum.
+    pub(crate) fn new(bytes: Box<[u8]>, checksum: u64) -> Self {
+        Self {
+            #[cfg(feature = "nixl")]
+            registration: std::sync::OnceLock::new(),
+            bytes,
+            checksum,
+        }
+    }
 }
 
 /// The xxh3-64 checksum the protocol uses.
@@ -157,7 +173,7 @@ mod tests {
     fn chunk(len: usize, fill: u8) -> PublishedChunk {
         let bytes = vec![fill; len].into_boxed_slice();
         let checksum = checksum(&bytes);
-        PublishedChunk { bytes, checksum }
+        PublishedChunk::new(bytes, checksum)
     }
 
     fn key(i: u64) -> ChunkKey {

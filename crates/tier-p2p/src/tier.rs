@@ -114,6 +114,8 @@ impl P2pTier {
             },
             store: Mutex::new(PublishedStore::new(config.published_bytes_max)),
             counters: Counters::default(),
+            #[cfg(feature = "nixl")]
+            nixl: crate::nixl::LazyPlane::new(config.nixl),
             config,
         });
         let config = &shared.config;

@@ -142,10 +142,8 @@ fn publish(
         }
         let mut bytes = vec![0u8; len as usize].into_boxed_slice();
         memory.read_slot(slot, 0, &mut bytes);
-        let chunk = PublishedChunk {
-            checksum: checksum(&bytes),
-            bytes,
-        };
+        let sum = checksum(&bytes);
+        let chunk = PublishedChunk::new(bytes, sum);
         match lock(&shared.store).insert(key, chunk) {
             Ok(evicted) => add(&shared.counters.evictions, evicted as u64),
             Err(TooLarge) => {

@@ -7,8 +7,8 @@ use std::io::Cursor;
 use offload_core::ChunkKey;
 use proptest::prelude::*;
 use tier_p2p::frame::{
-    decode, decode_header, Frame, FrameError, FrameReader, Hello, ReadError, HEADER_BYTES,
-    MAC_BYTES, NONCE_BYTES,
+    decode, decode_header, Frame, FrameError, FrameReader, Hello, NixlChunk, ReadError,
+    HEADER_BYTES, MAC_BYTES, NONCE_BYTES,
 };
 
 /// A small maximum, so that random lengths often exceed it.
@@ -21,7 +21,7 @@ fn key() -> impl Strategy<Value = ChunkKey> {
 /// Any valid frame that fits `BODY_MAX`; DATA payloads are owned by the strategy's output.
 fn frame() -> impl Strategy<Value = (u8, Vec<ChunkKey>, Vec<bool>, Vec<u8>, u64)> {
     (
-        1u8..=8,
+        1u8..=11,
         prop::collection::vec(key(), 0..64),
         prop::collection::vec(any::<bool>(), 0..300),
         prop::collection::vec(any::<u8>(), 1..512),
@@ -50,6 +50,21 @@ fn build<'a>(
         7 => Frame::End {
             sent: *number as u32,
         },
+        9 => Frame::NixlGet(keys.clone()),
+        10 => Frame::NixlOffer {
+            connection: &bytes[..bytes.len() / 3],
+            metadata: &bytes[bytes.len() / 2..],
+            chunks: keys
+                .iter()
+                .map(|&key| NixlChunk {
+                    key,
+                    checksum: *number,
+                    addr: number.rotate_left(7),
+                    len: *number as u32,
+                })
+                .collect(),
+        },
+        11 => Frame::NixlDone,
         // At most 300 bytes, so that lossy conversion stays under the 1024-byte message limit.
         _ => Frame::Error(String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned()),
     }

@@ -197,6 +197,13 @@ impl Raw {
             Frame::Get(k) => Frame::Get(k),
             Frame::End { sent } => Frame::End { sent },
             Frame::Error(m) => Frame::Error(m),
+            Frame::NixlGet(k) => Frame::NixlGet(k),
+            Frame::NixlOffer { chunks, .. } => Frame::NixlOffer {
+                connection: &[],
+                metadata: &[],
+                chunks,
+            },
+            Frame::NixlDone => Frame::NixlDone,
         })
     }
 
