@@ -25,6 +25,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// The main job: a built-in workload on two engine instances (host pool, disk tier, each
+    /// other as peer over loopback), every loaded block checked against recompute.
+    Run(RunArgs),
     /// Benchmarks: the host-pool manager alone, or a data path against the machine's ceiling.
     Bench {
         #[command(subcommand)]
@@ -126,6 +129,21 @@ impl From<PolicyArg> for EvictionPolicy {
 }
 
 #[derive(Debug, Args)]
+struct RunArgs {
+    /// The connector's configuration file (TOML or JSON), used by both instances (each disk
+    /// tier gets an `instance-N` subdirectory; a peer tier without listen/peers gets loopback
+    /// ports, the other instance as its peer).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Conversations per instance (4 turns each).
+    #[arg(long, value_name = "N", default_value_t = 48, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    conversations: u32,
+    /// Seed of the workload and the simulator.
+    #[arg(long, value_name = "S", default_value_t = 1)]
+    seed: u64,
+}
+
+#[derive(Debug, Args)]
 struct ManagerArgs {
     /// Mooncake-format JSONL trace.
     #[arg(long, value_name = "FILE")]
@@ -192,6 +210,7 @@ fn main() -> ExitCode {
 
 fn dispatch(cli: &Cli) -> Result<(), Failure> {
     match &cli.command {
+        Command::Run(args) => run_cmd(args, cli.json),
         Command::Bench {
             which: BenchCommand::Manager(args),
         } => bench_manager_cmd(args, cli.json),
@@ -298,4 +317,38 @@ fn bench_p2p_cmd(args: &P2pArgs, json: bool) -> Result<(), Failure> {
     progress.finish();
     let ceiling = "raw loopback TCP socket with the same write size";
     print_data_report(&DataBenchReport::new("p2p", ceiling, &rows), json)
+}
+
+fn print_run_report(report: &kvtier::instance::RunReport, json: bool) -> Result<(), Failure> {
+    if json {
+        print_json(report)?;
+    } else {
+        print!("{}", kvtier::instance::render(report));
+    }
+    if report.is_clean() {
+        Ok(())
+    } else {
+        Err(Failure::Check(format!(
+            "{} integrity failures, {} store mismatches, {} GPU corruptions, {} invariant failures",
+            report.integrity_failures,
+            report.store_mismatches,
+            report.gpu_corruptions,
+            report.invariant_failures
+        )))
+    }
+}
+
+fn run_cmd(args: &RunArgs, json: bool) -> Result<(), Failure> {
+    let spec = kvtier::run::RunSpec {
+        conversations: args.conversations,
+        seed: args.seed,
+        ..kvtier::run::RunSpec::default()
+    };
+    let mut progress = Progress::new(!json);
+    let report = kvtier::run::run(&spec, args.config.as_deref(), &mut |done, total| {
+        progress.bar("requests finished", done, total)
+    })
+    .map_err(Failure::Input)?;
+    progress.finish();
+    print_run_report(&report, json)
 }

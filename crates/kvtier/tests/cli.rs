@@ -159,3 +159,41 @@ fn bench_host_json_rows_have_path_ceiling_and_ratio() {
     }
     assert_eq!(rows[2]["chunk_bytes"], 256 * 1024);
 }
+
+#[test]
+fn run_small_workload_reports_every_tier_and_no_failure() {
+    let out = kvtier(&["run", "--json", "--conversations", "4"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let n = |k: &str| {
+        v[k].as_u64()
+            .unwrap_or_else(|| panic!("field {k} missing: {v}"))
+    };
+    // Two instances, 4 conversations of 4 turns each.
+    assert_eq!(n("requests_total"), 32);
+    assert_eq!(n("requests_finished"), 32);
+    assert_eq!(n("integrity_failures"), 0);
+    assert_eq!(n("invariant_failures"), 0);
+    assert!(n("prompt_tokens") > 0);
+    assert!(n("tokens_hit_offload") + n("tokens_hit_gpu_cache") <= n("prompt_tokens"));
+    assert!(v["elapsed_s"].as_f64().is_some());
+    let tiers = v["tiers"].as_array().expect("tiers");
+    let names: Vec<&str> = tiers.iter().filter_map(|t| t["name"].as_str()).collect();
+    assert_eq!(names, ["cpu", "fs", "p2p"]);
+    for t in tiers {
+        for f in ["hits", "stores", "loads", "bytes_stored", "bytes_loaded"] {
+            assert!(t[f].as_u64().is_some(), "{f} missing in {t}");
+        }
+    }
+    // Later turns extend earlier prompts, so the host pool stored chunks.
+    assert!(tiers[0]["stores"].as_u64() > Some(0));
+}
+
+#[test]
+fn run_with_a_bad_config_file_names_the_key() {
+    let path = temp_file("bad.toml", "cpu_bytes_to_use = 1048576\nno_such_key = 3\n");
+    let out = kvtier(&["run", "--config", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("no_such_key"), "{err}");
+}
