@@ -15,8 +15,9 @@ use crate::frame::{encode_data_prefix, Frame, FrameHeader, FrameReader, ReadErro
 /// calls while bytes flow.
 const TIMEOUT_SLACK: Duration = Duration::from_millis(10);
 
-/// Bytes of the read buffer in front of the socket (large payloads bypass it).
-const READ_BUFFER_BYTES: usize = 64 * 1024;
+/// Bytes of the read buffer in front of the socket (large payloads bypass it). Small, because
+/// the payload bytes that a header read pulls into it are copied once more on their way out.
+const READ_BUFFER_BYTES: usize = 4 * 1024;
 
 /// A socket whose reads and writes fail with `TimedOut` once the deadline has passed.
 #[derive(Debug)]
@@ -76,9 +77,30 @@ impl Write for Timed {
         self.stream.write(buf)
     }
 
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        if let Some(timeout) = Self::refresh(self.write_timeout, self.deadline)? {
+            self.stream.set_write_timeout(Some(timeout))?;
+            self.write_timeout = Some(timeout);
+        }
+        self.stream.write_vectored(bufs)
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
+}
+
+/// Writes all of `bufs` with as few `writev` calls as the socket allows.
+fn write_all_vectored(writer: &mut Timed, mut bufs: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    while !bufs.is_empty() {
+        match writer.write_vectored(bufs) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => io::IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A framed connection to one peer.
@@ -178,10 +200,9 @@ impl Conn {
     ) -> Result<(), P2pError> {
         self.out.clear();
         encode_data_prefix(key, checksum, payload.len(), &mut self.out);
-        let result = self
-            .writer
-            .write_all(&self.out)
-            .and_then(|()| self.writer.write_all(payload));
+        // One `writev` for header and payload: no lone small segment ahead of each chunk.
+        let mut bufs = [io::IoSlice::new(&self.out), io::IoSlice::new(payload)];
+        let result = write_all_vectored(&mut self.writer, &mut bufs);
         result.map_err(|e| self.io_error(op, e))
     }
 
