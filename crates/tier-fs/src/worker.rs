@@ -322,9 +322,17 @@ impl Worker {
         for &(key, _, _) in &job.chunks {
             failed.add(self.stats(), key, FailureKind::Io);
         }
-        // Whatever the batch had in flight is not indexed; its segments are sealed as they are.
-        self.written.clear();
-        self.seal_all();
+        // Whatever the batch wrote is not indexed, and writes may still be in flight: its
+        // segments are given up unsealed (evictable; the next start verifies and seals them).
+        let mut index = self.shared.index();
+        for w in self.written.drain(..) {
+            index.release(w.bytes);
+        }
+        for seg in self.segments.drain(..) {
+            index.release(SEAL_BYTES);
+            index.set_state(seg.id, SegmentState::Sealed);
+        }
+        drop(index);
         self.shared.cancelled().remove(&job.id);
         TierCompletion {
             id: job.id,
