@@ -15,9 +15,10 @@
 //! `connections_max`), one local worker (publishing, local loads) and one client worker that
 //! owns one connection per peer (so one request in flight per peer). No async runtime.
 //!
-//! With the `nixl` feature, a GET's bytes can move by NIXL READ (RDMA or another UCX transport)
-//! while the TCP connection carries the control messages and checksums ([`nixl`]); without the
-//! NIXL library at run time, or with a peer that does not offer it, the TCP stream is used.
+//! With the `nixl` feature, a GET's bytes can move by NIXL READ (RDMA or another UCX
+//! transport) while the TCP connection carries the control messages and checksums (module
+//! `nixl`); without the NIXL library at run time, or with a peer that does not offer it, the TCP
+//! stream is used.
 //!
 //! Not here (yet): a pre-faulted arena for published chunks (each publish allocates its copy).
 
