@@ -294,6 +294,8 @@ pub struct RunReport {
     pub failures: Vec<String>,
     /// Wall-clock seconds of the whole run.
     pub elapsed_s: f64,
+    /// What this run did not do (for example a peer tier with no peer).
+    pub notes: Vec<String>,
 }
 
 impl RunReport {
@@ -499,6 +501,9 @@ pub fn render(r: &RunReport) -> String {
     ));
     for f in &r.failures {
         out.push_str(&format!("  failure: {f}\n"));
+    }
+    for n in &r.notes {
+        out.push_str(&format!("note: {n}\n"));
     }
     out
 }

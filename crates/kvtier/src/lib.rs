@@ -5,10 +5,12 @@
 //! - [`bench_data`]: `kvtier bench host|fs|p2p`, each data path against the machine's ceiling.
 //! - [`instance`]: one simulated engine on the connector (config, tiers, report).
 //! - [`run`]: `kvtier run`, the main job on two instances that are each other's peer.
+//! - [`replay`]: `kvtier replay`, a Mooncake trace through one instance.
 //! - [`progress`]: the progress line on stderr.
 
 pub mod bench_data;
 pub mod bench_manager;
 pub mod instance;
 pub mod progress;
+pub mod replay;
 pub mod run;

@@ -28,6 +28,8 @@ enum Command {
     /// The main job: a built-in workload on two engine instances (host pool, disk tier, each
     /// other as peer over loopback), every loaded block checked against recompute.
     Run(RunArgs),
+    /// Replays a Mooncake-format JSONL trace through one engine instance on the connector.
+    Replay(ReplayArgs),
     /// Benchmarks: the host-pool manager alone, or a data path against the machine's ceiling.
     Bench {
         #[command(subcommand)]
@@ -144,6 +146,64 @@ struct RunArgs {
 }
 
 #[derive(Debug, Args)]
+struct ReplayArgs {
+    /// Mooncake-format JSONL trace (timestamp, input_length, output_length, hash_ids).
+    #[arg(long, value_name = "FILE")]
+    trace: PathBuf,
+    /// Tiers, comma-separated: cpu (required) and any of fs, p2p.
+    #[arg(long, value_name = "LIST", default_value = "cpu,fs")]
+    tiers: String,
+    /// Host-pool bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 1 << 30)]
+    cpu_bytes: u64,
+    /// Disk tier directory (default: a temporary directory, removed at the end).
+    #[arg(long, value_name = "DIR")]
+    fs_dir: Option<PathBuf>,
+    /// Disk tier capacity, bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 8 << 30)]
+    fs_bytes: u64,
+    /// KV bytes per token (all layers, all workers).
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1048576))]
+    kv_bytes_per_token: u32,
+    /// Tokens per engine block (need not divide the trace's 512-token blocks).
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    tokens_per_block: u32,
+    /// Engine blocks per chunk.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    blocks_per_chunk: u32,
+    /// Host-pool eviction policy.
+    #[arg(long, value_enum, default_value = "lru")]
+    eviction_policy: PolicyArg,
+    /// vLLM's async scheduling (step N+1 scheduled before step N's output is handled).
+    #[arg(long)]
+    async_scheduling: bool,
+    /// Offload only prompts.
+    #[arg(long, value_name = "BOOL", default_value_t = false, action = clap::ArgAction::Set)]
+    offload_prompt_only: bool,
+    /// Tensor-parallel workers.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    workers: u32,
+    /// Move (almost) no KV bytes: the scheduler path alone.
+    #[arg(long)]
+    no_data: bool,
+    /// Replay only the first N requests.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
+    /// Seed of the simulator's choices.
+    #[arg(long, value_name = "S", default_value_t = 1)]
+    seed: u64,
+    /// Engine blocks in the GPU KV cache (default: enough for the largest request, at least 4096).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    gpu_blocks: Option<u32>,
+    /// Simulated milliseconds per engine step (arrival step = timestamp / this).
+    #[arg(long, value_name = "MS", default_value_t = 10.0)]
+    ms_per_step: f64,
+    /// Token budget per engine step.
+    #[arg(long, value_name = "N", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(1..))]
+    max_num_batched_tokens: u32,
+}
+
+#[derive(Debug, Args)]
 struct ManagerArgs {
     /// Mooncake-format JSONL trace.
     #[arg(long, value_name = "FILE")]
@@ -211,6 +271,7 @@ fn main() -> ExitCode {
 fn dispatch(cli: &Cli) -> Result<(), Failure> {
     match &cli.command {
         Command::Run(args) => run_cmd(args, cli.json),
+        Command::Replay(args) => replay_cmd(args, cli.json),
         Command::Bench {
             which: BenchCommand::Manager(args),
         } => bench_manager_cmd(args, cli.json),
@@ -346,6 +407,39 @@ fn run_cmd(args: &RunArgs, json: bool) -> Result<(), Failure> {
     };
     let mut progress = Progress::new(!json);
     let report = kvtier::run::run(&spec, args.config.as_deref(), &mut |done, total| {
+        progress.bar("requests finished", done, total)
+    })
+    .map_err(Failure::Input)?;
+    progress.finish();
+    print_run_report(&report, json)
+}
+
+fn replay_cmd(args: &ReplayArgs, json: bool) -> Result<(), Failure> {
+    let spec = kvtier::replay::ReplaySpec {
+        trace: args.trace.clone(),
+        tiers: args.tiers.split(',').map(|t| t.trim().to_owned()).collect(),
+        cpu_bytes: args.cpu_bytes,
+        fs_dir: args.fs_dir.clone(),
+        fs_bytes: args.fs_bytes,
+        kv_bytes_per_token: args.kv_bytes_per_token,
+        tokens_per_block: args.tokens_per_block,
+        blocks_per_chunk: args.blocks_per_chunk,
+        eviction_policy: match args.eviction_policy {
+            PolicyArg::Lru => "lru".into(),
+            PolicyArg::Arc => "arc".into(),
+        },
+        async_scheduling: args.async_scheduling,
+        offload_prompt_only: args.offload_prompt_only,
+        workers: args.workers,
+        no_data: args.no_data,
+        limit: args.limit,
+        seed: args.seed,
+        gpu_blocks: args.gpu_blocks,
+        ms_per_step: args.ms_per_step,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+    };
+    let mut progress = Progress::new(!json);
+    let report = kvtier::replay::replay(&spec, &mut |done, total| {
         progress.bar("requests finished", done, total)
     })
     .map_err(Failure::Input)?;

@@ -197,3 +197,86 @@ fn run_with_a_bad_config_file_names_the_key() {
     let err = stderr(&out);
     assert!(err.contains("no_such_key"), "{err}");
 }
+
+#[test]
+fn replay_small_trace_reuses_shared_prefixes_with_odd_block_sizes() {
+    let path = temp_file("replay.jsonl", &small_trace(24));
+    for tpb in ["16", "48"] {
+        let out = kvtier(&[
+            "replay",
+            "--json",
+            "--trace",
+            path.to_str().unwrap(),
+            "--tiers",
+            "cpu,fs",
+            "--tokens-per-block",
+            tpb,
+            "--kv-bytes-per-token",
+            "8",
+            "--gpu-blocks",
+            "400",
+            "--async-scheduling",
+            "--offload-prompt-only",
+            "true",
+        ]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let n = |k: &str| {
+            v[k].as_u64()
+                .unwrap_or_else(|| panic!("field {k} missing: {v}"))
+        };
+        assert_eq!(n("requests_total"), 24);
+        assert_eq!(n("requests_finished"), 24);
+        assert_eq!(n("integrity_failures"), 0);
+        assert_eq!(n("invariant_failures"), 0);
+        // 24 requests of 3..6 blocks of 512 tokens.
+        assert_eq!(n("prompt_tokens"), 512 * (24 * 3 + 6 * (1 + 2 + 3)));
+        // Shared prefixes are found again, on the GPU or in the offload tiers.
+        assert!(
+            n("tokens_hit_offload") + n("tokens_hit_gpu_cache") > 0,
+            "{v}"
+        );
+        let tiers: Vec<&str> = v["tiers"]
+            .as_array()
+            .expect("tiers")
+            .iter()
+            .filter_map(|t| t["name"].as_str())
+            .collect();
+        assert_eq!(tiers, ["cpu", "fs"]);
+    }
+}
+
+#[test]
+fn replay_bad_input_is_named() {
+    let mut text = small_trace(2);
+    text.push_str(
+        "{\"timestamp\": 1, \"input_length\": 10, \"output_length\": 1, \"hash_ids\": [\"x\"]}\n",
+    );
+    let path = temp_file("replay-bad.jsonl", &text);
+    let out = kvtier(&["replay", "--trace", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("trace line 3") && err.contains("hash_ids[0]"),
+        "{err}"
+    );
+
+    let good = temp_file("replay-good.jsonl", &small_trace(2));
+    let out = kvtier(&[
+        "replay",
+        "--trace",
+        good.to_str().unwrap(),
+        "--tiers",
+        "cpu,tape",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("--tiers"), "{}", stderr(&out));
+
+    let out = kvtier(&["replay", "--trace", "x", "--offload-prompt-only", "maybe"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--offload-prompt-only"),
+        "{}",
+        stderr(&out)
+    );
+}
