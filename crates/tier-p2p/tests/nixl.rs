@@ -1,6 +1,8 @@
-//! The NIXL data plane, when it can run: two instances in this process, host to host over NIXL's
-//! UCX backend; B loads chunks that A published, the bytes moved by NIXL READ into B's slots and
-//! verified by checksum; and the TCP fallbacks (NIXL off on either side). Without the `nixl`
+//! The NIXL data plane, when it can run: two instances host to host over NIXL's UCX backend, in
+//! this process and in two processes (the test re-executes its own binary with
+//! `KVTIER_P2P_NIXL_CHILD` set, and that child only publishes and serves); B loads chunks that A
+//! published, the bytes moved by NIXL READ into B's slots and verified by checksum; and the TCP
+//! fallbacks (NIXL off on either side). Without the `nixl`
 //! feature or the NIXL library (see `tier_p2p::nixl::LIB_DIR_ENV`), the one test here says
 //! loudly that these checks did not run.
 
@@ -8,6 +10,11 @@ mod common;
 
 #[test]
 fn nixl_tests_ran_or_report_why_not() {
+    #[cfg(feature = "nixl")]
+    if std::env::var_os(checks::CHILD).is_some() {
+        checks::child_serve();
+        return;
+    }
     match why_not() {
         Ok(()) => run_checks(),
         Err(reason) => {
@@ -30,6 +37,7 @@ fn run_checks() {
     checks::fetcher_with_nixl_off_uses_tcp();
     checks::server_with_nixl_off_makes_the_fetcher_fall_back_to_tcp();
     checks::a_mismatched_length_is_not_loaded_and_the_rest_is();
+    checks::two_processes_fetch_over_nixl();
 }
 
 /// Never called: without the feature, `why_not` always says why not.
@@ -48,8 +56,11 @@ fn why_not() -> Result<(), String> {
 
 #[cfg(feature = "nixl")]
 mod checks {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::net::SocketAddr;
+    use std::process::{Command, Stdio};
     use std::sync::Arc;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use offload_core::tier::{SlotMemory, Tier};
     use offload_core::JobId;
@@ -59,6 +70,9 @@ mod checks {
     use super::common;
 
     const LEN: u32 = 256 * 1024 + 3;
+    /// Set in the child process: publish and serve, print `PORT <n>`, exit when stdin closes.
+    pub const CHILD: &str = "KVTIER_P2P_NIXL_CHILD";
+    const CHILD_CHUNKS: u64 = 5;
     const DEADLINE: Duration = Duration::from_secs(20);
 
     struct Pair {
@@ -164,5 +178,75 @@ mod checks {
         }
         pair.a.shutdown();
         pair.b.shutdown();
+    }
+
+    /// The child's role: publish `CHILD_CHUNKS` chunks, serve them until stdin closes.
+    pub fn child_serve() {
+        let memory: Arc<dyn SlotMemory> =
+            Arc::new(FlatSlotMemory::new(CHILD_CHUNKS as u32, LEN as usize));
+        let mut tier =
+            P2pTier::new(common::config(Vec::new()), Arc::clone(&memory)).expect("child tier");
+        common::publish(&mut tier, &memory, CHILD_CHUNKS, LEN);
+        let mut out = std::io::stdout();
+        writeln!(out, "PORT {}", tier.local_addr().port()).expect("print port");
+        out.flush().expect("flush");
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        let served = tier.stats().chunks_offered_nixl;
+        tier.shutdown();
+        assert!(served > 0, "the child offered nothing over NIXL");
+    }
+
+    pub fn two_processes_fetch_over_nixl() {
+        let exe = std::env::current_exe().expect("current_exe");
+        let mut child = Command::new(exe)
+            .args(["--exact", "nixl_tests_ran_or_report_why_not", "--nocapture"])
+            .env(CHILD, "serve")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn child");
+        let stdout = child.stdout.take().expect("child stdout");
+        let (lines_tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines_tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let start = Instant::now();
+        let port: u16 = loop {
+            let left = DEADLINE.saturating_sub(start.elapsed());
+            let line = lines
+                .recv_timeout(left)
+                .expect("child printed no PORT line in time");
+            if let Some(port) = line.strip_prefix("PORT ") {
+                break port.trim().parse().expect("child port");
+            }
+        };
+        let memory: Arc<dyn SlotMemory> =
+            Arc::new(FlatSlotMemory::new(CHILD_CHUNKS as u32, LEN as usize));
+        let mut config = common::config(vec![SocketAddr::from(([127, 0, 0, 1], port))]);
+        config.fetch_deadline = DEADLINE;
+        let mut b = P2pTier::new(config, Arc::clone(&memory)).expect("instance B");
+        let indices: Vec<u64> = (0..CHILD_CHUNKS).collect();
+        common::submit_load(&mut b, JobId(1), &indices, 0, LEN);
+        let done = common::wait(&mut b, JobId(1), DEADLINE);
+        assert!(done.is_success(), "load failed keys {:?}", done.failed);
+        common::expect_loaded(&*memory, &indices, 0, LEN);
+        let stats = b.stats();
+        assert_eq!(stats.chunks_fetched_nixl, CHILD_CHUNKS, "{stats:?}");
+        b.shutdown();
+        drop(child.stdin.take());
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("child status") {
+                break status;
+            }
+            assert!(start.elapsed() < DEADLINE, "child did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(status.success(), "child failed: {status}");
     }
 }
