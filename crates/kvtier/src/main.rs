@@ -248,10 +248,7 @@ fn main() -> ExitCode {
                     ExitCode::SUCCESS
                 };
             }
-            // One line, naming the flag: clap's first line ("error: unexpected argument ...").
-            let text = e.render().to_string();
-            let line = text.lines().next().unwrap_or("error: bad arguments");
-            eprintln!("kvtier: {}", line.trim_start_matches("error: "));
+            eprintln!("kvtier: {}", one_line(&e.render().to_string()));
             return ExitCode::from(2);
         }
     };
@@ -265,6 +262,23 @@ fn main() -> ExitCode {
             eprintln!("kvtier: {msg}");
             ExitCode::from(1)
         }
+    }
+}
+
+/// Clap's error as one line naming the flag: its first paragraph (the message, and for a missing
+/// argument the indented names below it), joined.
+fn one_line(text: &str) -> String {
+    let words: Vec<&str> = text
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let line = words.join(" ");
+    let line = line.trim_start_matches("error: ");
+    if line.is_empty() {
+        "bad arguments (see --help)".to_owned()
+    } else {
+        line.to_owned()
     }
 }
 

@@ -63,6 +63,15 @@ fn bad_flag_is_one_line_naming_it() {
 }
 
 #[test]
+fn missing_required_flag_is_one_line_naming_it() {
+    let out = kvtier(&["bench", "manager", "--trace", "x"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("--capacity-blocks"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
+#[test]
 fn bad_trace_line_is_named() {
     let mut text = small_trace(3);
     text.push_str("{\"timestamp\": 5, \"input_length\": 100, \"output_length\": 1}\n");
