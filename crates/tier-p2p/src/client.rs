@@ -22,7 +22,6 @@ use crate::handshake;
 use crate::shared::{lock, log, Shared};
 use crate::stats::{add, PeerStatus};
 use crate::worker::{copy_local, Control, Work};
-use xxhash_rust::xxh3::Xxh3;
 
 /// Bytes of a payload received before they are hashed (small enough to stay in cache).
 const HASH_PIECE_BYTES: usize = 256 * 1024;
@@ -533,12 +532,13 @@ fn recv_end(conn: &mut Conn, header: crate::frame::FrameHeader) -> Result<u32, P
 /// Fills `dst` from the stream piece by piece, hashing each piece while it is still in cache;
 /// returns the xxh3-64 of all of `dst` (equal to [`crate::checksum`] of it).
 fn receive_hashed(conn: &mut Conn, dst: &mut [u8]) -> Result<u64, P2pError> {
-    let mut hasher = Xxh3::new();
+    use std::hash::Hasher;
+    let mut hasher = twox_hash::XxHash3_64::default();
     for piece in dst.chunks_mut(HASH_PIECE_BYTES) {
         conn.read_exact(piece, "receive DATA payload")?;
-        hasher.update(piece);
+        hasher.write(piece);
     }
-    Ok(hasher.digest())
+    Ok(hasher.finish())
 }
 
 fn parse_prefix(prefix: &[u8; DATA_PREFIX_BYTES]) -> (ChunkKey, u64) {

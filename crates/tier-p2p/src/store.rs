@@ -40,7 +40,7 @@ impl PublishedChunk {
 
 /// The xxh3-64 checksum the protocol uses.
 pub fn checksum(bytes: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(bytes)
+    twox_hash::XxHash3_64::oneshot(bytes)
 }
 
 #[derive(Debug)]
@@ -199,12 +199,25 @@ mod tests {
 
     #[test]
     fn streaming_hash_equals_one_shot_checksum() {
+        use std::hash::Hasher;
         let bytes: Vec<u8> = (0..1_000_003u32).map(|i| (i * 7 + i / 13) as u8).collect();
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut hasher = twox_hash::XxHash3_64::default();
         for piece in bytes.chunks(256 * 1024) {
-            hasher.update(piece);
+            hasher.write(piece);
         }
-        assert_eq!(hasher.digest(), checksum(&bytes));
+        assert_eq!(hasher.finish(), checksum(&bytes));
+    }
+
+    #[test]
+    fn checksum_is_the_standard_xxh3_64() {
+        for len in [0usize, 1, 16, 17, 128, 129, 240, 241, 1024, 1 << 20] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+            assert_eq!(
+                checksum(&bytes),
+                xxhash_rust::xxh3::xxh3_64(&bytes),
+                "{len} bytes"
+            );
+        }
     }
 
     #[test]
