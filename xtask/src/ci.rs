@@ -1,4 +1,4 @@
-//! `cargo xtask ci`: the checks CI runs (fmt, clippy, tests, docs, layering), in order, each
+//! `cargo xtask ci`: the checks CI runs (fmt, clippy, tests, docs, layering, simulator seeds), in order, each
 //! announced with a header and timed, stopping at the first failure, then a summary.
 
 use std::fmt;
@@ -103,6 +103,7 @@ pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
             name: "layering",
             action: Action::Layering,
         },
+        crate::sim::ci_step(root),
     ]
 }
 
@@ -264,7 +265,7 @@ mod tests {
         let root = crate::workspace_root();
         let steps = steps(&root, &strings(&["--no-fail-fast"]));
         let names: Vec<&str> = steps.iter().map(|step| step.name).collect();
-        assert_eq!(names, ["fmt", "clippy", "test", "doc", "layering"]);
+        assert_eq!(names, ["fmt", "clippy", "test", "doc", "layering", "sim"]);
         assert_eq!(steps[0].action.to_string(), "cargo fmt --all -- --check");
         let clippy = steps[1].action.to_string();
         assert!(clippy.starts_with("cargo clippy --workspace --all-targets"));

@@ -129,6 +129,12 @@ pub const RULES: &[CrateRule] = &[
         rule: "the kvtier binary depends on offload-core, the tier crates, connector and engine-sim",
     },
     CrateRule {
+        name: "kvtier-sim",
+        deps: &["offload-core", "tier-testkit", "connector", "engine-sim"],
+        dev_deps: &[],
+        rule: "the simulator depends on offload-core, tier-testkit, connector and engine-sim",
+    },
+    CrateRule {
         name: "kvtier-tests",
         deps: &[
             "offload-core",

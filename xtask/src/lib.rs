@@ -6,6 +6,7 @@
 pub mod ci;
 pub mod gpu;
 pub mod layering;
+pub mod sim;
 
 use std::ffi::OsString;
 use std::fmt;

@@ -1,9 +1,9 @@
-//! `cargo xtask`: kvtier's developer tasks (`ci`, `layering`, `gpu`, `help`). A thin front end
+//! `cargo xtask`: kvtier's developer tasks (`ci`, `layering`, `gpu`, `sim`, `help`). A thin front end
 //! over the `xtask` library; add a task by adding a row to `TASKS`.
 
 use std::process::ExitCode;
 
-use xtask::{ci, gpu, layering, Error};
+use xtask::{ci, gpu, layering, sim, Error};
 
 /// One subcommand: its name, usage line, one-line description and entry point. The entry point
 /// gets the arguments after the subcommand's name and returns whether the task passed.
@@ -35,6 +35,13 @@ const TASKS: &[Task] = &[
         about: "tier-gpu's CUDA checks: build, the CUDA test (--nocapture), the gpu_bandwidth \
                 example; 5-minute budget, each step timed and killed past its limit",
         run: gpu::main,
+    },
+    Task {
+        name: "sim",
+        usage: "cargo xtask sim [--ci | --seed S | --seeds N [--base B]] [--trace [PATH]]",
+        about: "the deterministic simulator (release build): one seed replays exactly; \
+                --ci runs CI's budget of seeds derived from the commit",
+        run: sim::main,
     },
     Task {
         name: "help",
@@ -136,7 +143,10 @@ mod tests {
         let err = find_task("lint").err().expect("`lint` is not a task");
         let message = err.to_string();
         assert!(message.contains("unknown subcommand `lint`"), "{message}");
-        assert!(message.contains("ci, layering, gpu, help"), "{message}");
+        assert!(
+            message.contains("ci, layering, gpu, sim, help"),
+            "{message}"
+        );
     }
 
     #[test]

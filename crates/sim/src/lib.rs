@@ -27,4 +27,4 @@ pub mod model;
 pub mod plan;
 pub mod run;
 
-pub use run::{replay_command, run_seed, SeedFailure, SeedOutcome};
+pub use run::{replay_command, run_seed, run_seed_with, SeedFailure, SeedOutcome};

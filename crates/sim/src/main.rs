@@ -1,12 +1,13 @@
 //! `kvtier-sim`: runs seeds of the deterministic simulator (`cargo xtask sim` builds and runs it).
 //! `--seed S` replays one seed; `--seeds N [--base B]` runs seeds B..B+N; `--trace [PATH]` takes
-//! arrivals from a Mooncake trace. A failure prints the seed, what broke and the replay command.
+//! arrivals from a Mooncake trace; `--keep-going` runs every seed and counts failures;
+//! `--tiny-host` lets the host pool be smaller than one request's prefix (a known livelock). A failure prints the seed, what broke and the replay command.
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use engine_sim::trace::{read_trace_file, TraceRecord};
-use kvtier_sim::{replay_command, run_seed};
+use kvtier_sim::{replay_command, run_seed_with};
 
 /// The trace `--trace` reads when no path follows it.
 const DEFAULT_TRACE: &str = "/work/shared/traces/mooncake_synthetic_trace.jsonl";
@@ -18,10 +19,12 @@ struct Args {
     seeds: Vec<u64>,
     trace: Option<String>,
     verbose: bool,
+    keep_going: bool,
+    tiny_host: bool,
 }
 
-const USAGE: &str =
-    "usage: kvtier-sim [--seed S | --seeds N [--base B]] [--trace [PATH]] [--verbose]";
+const USAGE: &str = "usage: kvtier-sim [--seed S | --seeds N [--base B]] [--trace [PATH]] \
+                     [--keep-going] [--tiny-host] [--verbose]";
 
 fn parse(args: &[String]) -> Result<Args, String> {
     let mut seed = None;
@@ -29,6 +32,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
     let mut base = 1u64;
     let mut trace = None;
     let mut verbose = false;
+    let mut keep_going = false;
+    let mut tiny_host = false;
     let mut i = 0;
     let number = |i: usize, name: &str| -> Result<u64, String> {
         let v = args
@@ -59,6 +64,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
                 None => trace = Some(DEFAULT_TRACE.to_owned()),
             },
             "--verbose" => verbose = true,
+            "--keep-going" => keep_going = true,
+            "--tiny-host" => tiny_host = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument `{other}`; {USAGE}")),
         }
@@ -74,6 +81,8 @@ fn parse(args: &[String]) -> Result<Args, String> {
         seeds,
         trace,
         verbose,
+        keep_going,
+        tiny_host,
     })
 }
 
@@ -100,8 +109,9 @@ fn main() -> ExitCode {
     std::panic::set_hook(Box::new(|_| {}));
     let start = Instant::now();
     let mut totals = kvtier_sim::SeedOutcome::default();
+    let mut failures = 0u64;
     for (n, &seed) in args.seeds.iter().enumerate() {
-        match run_seed(seed, records.as_deref()) {
+        match run_seed_with(seed, records.as_deref(), args.tiny_host) {
             Ok(o) => {
                 if args.verbose {
                     println!("seed {seed}: ok {o:?}");
@@ -122,12 +132,22 @@ fn main() -> ExitCode {
                 println!("SIM FAILURE at seed {} (after {n} clean seeds)", f.seed);
                 println!("plan: {}", f.plan);
                 println!("what: {}", f.reason);
-                println!("replay: {}", replay_command(f.seed, args.trace.as_deref()));
-                return ExitCode::FAILURE;
+                println!(
+                    "replay: {}",
+                    replay_command(f.seed, args.trace.as_deref(), args.tiny_host)
+                );
+                failures += 1;
+                if !args.keep_going {
+                    return ExitCode::FAILURE;
+                }
             }
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    if failures > 0 {
+        println!("sim: {failures} of {} seeds FAILED", args.seeds.len());
+        return ExitCode::FAILURE;
+    }
     println!(
         "sim: {} seeds clean in {secs:.1} s ({:.1} seeds/s); steps {} faulty + {} converging, \
          requests {} finished + {} aborted, loads {} ok / {} failed ({} tokens), resets {}, \

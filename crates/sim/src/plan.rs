@@ -148,6 +148,17 @@ impl Plan {
 
 /// The plan of `seed`; with `trace`, the workload is a window of those records.
 pub fn plan(seed: u64, trace: Option<&[TraceRecord]>) -> Plan {
+    plan_with(seed, trace, false)
+}
+
+/// [`plan`], and with `tiny_host` the host pool under pressure may be smaller than one request's
+/// prefix.
+///
+/// Without it the host pool has at least as many slots as the longest request has chunks, plus
+/// 4: with fewer, the tiering manager's promotions for one request evict each other before the
+/// request can load them, and the request waits forever (a livelock the simulator found, left to
+/// the connector's owner; `--tiny-host` reproduces it).
+pub fn plan_with(seed: u64, trace: Option<&[TraceRecord]>, tiny_host: bool) -> Plan {
     let mut rng = SplitMix64::stream(seed, 0x91A4);
     let manager = match rng.below(3) {
         0 => ManagerKind::HostPool,
@@ -224,6 +235,18 @@ pub fn plan(seed: u64, trace: Option<&[TraceRecord]>) -> Plan {
     } else {
         OffloadPolicy::Block
     };
+    // Aborts: each request may be aborted at a random step of the fault phase.
+    let abort_ppm = w(EventKind::Abort) * 40_000;
+    for r in &mut workload.requests {
+        r.abort_step = None;
+        if rng.chance_ppm(abort_ppm) {
+            r.abort_step = Some(r.arrival_step + rng.below(60));
+        }
+        // A request's own tokens are a fresh draw for the trace window too.
+        if trace.is_some() && r.unique_tokens == 0 && rng.below(4) == 0 {
+            r.unique_tokens = 1 + rng.below(64) as u32;
+        }
+    }
     let need_blocks = workload
         .requests
         .iter()
@@ -235,8 +258,10 @@ pub fn plan(seed: u64, trace: Option<&[TraceRecord]>) -> Plan {
     } else {
         config.num_gpu_blocks.max(need_blocks) * 2
     };
+    let chunks_max = need_blocks.div_ceil(config.blocks_per_chunk);
+    let floor = if tiny_host { 0 } else { chunks_max };
     config.host_slots = if w(EventKind::HostPressure) > 0 {
-        4 + rng.below(64) as u32
+        4 + floor + rng.below(64) as u32
     } else {
         config.host_slots.max(256)
     };
@@ -251,18 +276,6 @@ pub fn plan(seed: u64, trace: Option<&[TraceRecord]>) -> Plan {
         scribble_on_failure: true,
         ..WorkerFaults::default()
     };
-    // Aborts: each request may be aborted at a random step of the fault phase.
-    let abort_ppm = w(EventKind::Abort) * 40_000;
-    for r in &mut workload.requests {
-        r.abort_step = None;
-        if rng.chance_ppm(abort_ppm) {
-            r.abort_step = Some(r.arrival_step + rng.below(60));
-        }
-        // A request's own tokens are a fresh draw for the trace window too.
-        if trace.is_some() && r.unique_tokens == 0 && rng.below(4) == 0 {
-            r.unique_tokens = 1 + rng.below(64) as u32;
-        }
-    }
     if w(EventKind::Reset) > 0 {
         let n = 1 + rng.below(u64::from(w(EventKind::Reset)));
         p.reset_steps = (0..n).map(|_| rng.below(p.fault_steps)).collect();

@@ -16,7 +16,7 @@ use offload_core::{HostPool, Medium};
 
 use crate::fault::FaultTier;
 use crate::model::{Lockstep, RefModel};
-use crate::plan::{plan, ManagerKind, Plan};
+use crate::plan::{plan_with, ManagerKind, Plan};
 
 /// Clock advance per step (1 ms).
 const STEP_NS: u64 = 1_000_000;
@@ -55,17 +55,30 @@ pub struct SeedFailure {
     pub plan: String,
 }
 
-/// The command that replays `seed` exactly.
-pub fn replay_command(seed: u64, trace: Option<&str>) -> String {
-    match trace {
-        Some(path) => format!("cargo xtask sim --seed {seed} --trace {path}"),
-        None => format!("cargo xtask sim --seed {seed}"),
+/// The command that replays `seed` exactly (`tiny_host`: see [`crate::plan::plan_with`]).
+pub fn replay_command(seed: u64, trace: Option<&str>, tiny_host: bool) -> String {
+    let mut cmd = format!("cargo xtask sim --seed {seed}");
+    if let Some(path) = trace {
+        cmd.push_str(&format!(" --trace {path}"));
     }
+    if tiny_host {
+        cmd.push_str(" --tiny-host");
+    }
+    cmd
 }
 
 /// Runs `seed`; a panic anywhere inside (strict checks panic) becomes a [`SeedFailure`].
 pub fn run_seed(seed: u64, trace: Option<&[TraceRecord]>) -> Result<SeedOutcome, SeedFailure> {
-    let p = plan(seed, trace);
+    run_seed_with(seed, trace, false)
+}
+
+/// [`run_seed`] with the host pool floor off when `tiny_host` ([`crate::plan::plan_with`]).
+pub fn run_seed_with(
+    seed: u64,
+    trace: Option<&[TraceRecord]>,
+    tiny_host: bool,
+) -> Result<SeedOutcome, SeedFailure> {
+    let p = plan_with(seed, trace, tiny_host);
     let described = p.describe();
     let result = catch_unwind(AssertUnwindSafe(|| match p.manager {
         ManagerKind::HostPool => run_host(&p),
@@ -101,6 +114,10 @@ trait Stack {
     fn settled(&self) -> bool {
         true
     }
+    /// What is left outside the engine (for a convergence failure).
+    fn stuck(&self) -> String {
+        String::new()
+    }
     /// Checks once everything converged.
     fn end_checks(&mut self, out: &mut SeedOutcome) -> Result<(), String>;
 }
@@ -132,9 +149,14 @@ fn drive<S: Stack>(p: &Plan, stack: &mut S) -> Result<SeedOutcome, String> {
     stack.faults_off();
     while !(stack.sim().is_done() && stack.settled()) {
         if out.steps.1 >= p.converge_steps {
+            let engine = match stack.sim().run_to_completion(0) {
+                Err(e) => e.to_string(),
+                Ok(_) => "the engine is done".to_owned(),
+            };
             return Err(format!(
-                "no convergence: not done {} steps after faults were turned off",
-                out.steps.1
+                "no convergence: not done {} steps after faults were turned off: {engine}; {}",
+                out.steps.1,
+                stack.stuck()
             ));
         }
         stack.sim().step();
@@ -278,6 +300,27 @@ impl Stack for TieringStack {
                 .tiers
                 .iter()
                 .all(|t| t.with(|t| t.jobs_in_flight()) == 0)
+    }
+    fn stuck(&self) -> String {
+        let tiering = self.sim.handle().tiering();
+        let fakes: Vec<usize> = self
+            .tiers
+            .iter()
+            .map(|t| t.with(|t| t.jobs_in_flight()))
+            .collect();
+        let host = tiering.host();
+        let slots: Vec<String> = (0..host.slot_count())
+            .filter_map(|s| host.key_in(offload_core::SlotId(s)))
+            .map(|k| format!("{:#x}:{:?}", k.hash, host.ref_count(k)))
+            .collect();
+        format!(
+            "tiering: host slots [{}], {} tier jobs in flight, outstanding {:?}, {} requests \
+             tracked; fake tiers hold {fakes:?} jobs",
+            slots.join(" "),
+            tiering.tier_jobs_in_flight(),
+            tiering.outstanding(),
+            tiering.tracked_requests()
+        )
     }
     fn end_checks(&mut self, out: &mut SeedOutcome) -> Result<(), String> {
         let handle = self.sim.handle();

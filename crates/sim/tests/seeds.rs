@@ -19,7 +19,7 @@ fn a_few_seeds_run_clean_and_exercise_the_stack() {
                 "seed {seed}: {}\nplan: {}\nreplay: {}",
                 f.reason,
                 f.plan,
-                replay_command(seed, None)
+                replay_command(seed, None, false)
             )
         });
         loads += o.loads_ok;
@@ -40,9 +40,9 @@ fn a_few_seeds_run_clean_and_exercise_the_stack() {
 
 #[test]
 fn the_replay_command_names_the_seed_and_trace() {
-    assert_eq!(replay_command(42, None), "cargo xtask sim --seed 42");
+    assert_eq!(replay_command(42, None, false), "cargo xtask sim --seed 42");
     assert_eq!(
-        replay_command(42, Some("t.jsonl")),
-        "cargo xtask sim --seed 42 --trace t.jsonl"
+        replay_command(42, Some("t.jsonl"), true),
+        "cargo xtask sim --seed 42 --trace t.jsonl --tiny-host"
     );
 }
