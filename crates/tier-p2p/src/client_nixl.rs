@@ -118,6 +118,9 @@ impl Client {
                 Err(ReadEnd::Failed(reason)) => return self.nixl_fallback(p, &reason),
             }
         }
+        // Drop the peer's metadata after each batch, so that what this agent holds about a peer
+        // stays bounded by one offer (each offer brings its connection metadata again).
+        self.forget_nixl(p);
         self.conn(p).send(&Frame::NixlDone, "send NIXL_DONE")?;
         for (i, sum) in targets {
             self.verify_nixl(p, work, i, sum, done);
