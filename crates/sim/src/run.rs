@@ -22,7 +22,7 @@ use crate::plan::{plan_with, ManagerKind, Plan};
 const STEP_NS: u64 = 1_000_000;
 
 /// What a clean seed did.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SeedOutcome {
     /// Steps in the fault phase and in the convergence phase.
     pub steps: (u64, u64),
@@ -443,4 +443,58 @@ fn run_tiering(p: &Plan) -> Result<SeedOutcome, String> {
         requests: p.workload.requests.len(),
     };
     drive(p, &mut stack)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use offload_core::tier::TierOp;
+    use offload_core::{JobId, RequestId};
+
+    fn submit(id: u64, request: u64) -> TierCall {
+        TierCall::Submit {
+            id: JobId(id),
+            request: Some(RequestId(request)),
+            op: TierOp::Store,
+            keys: Vec::new(),
+            accepted: true,
+        }
+    }
+
+    fn completed(id: u64) -> TierCall {
+        TierCall::Completed {
+            id: JobId(id),
+            success: true,
+        }
+    }
+
+    #[test]
+    fn the_tier_log_check_catches_each_broken_rule() {
+        let good = [submit(1, 0), completed(1), TierCall::Finished(RequestId(0))];
+        assert_eq!(check_tier_log(&good, 1), Ok(()));
+        let twice = [submit(1, 0), completed(1), completed(1)];
+        assert!(check_tier_log(&twice, 0)
+            .unwrap_err()
+            .contains("completed twice"));
+        let never = [submit(1, 0)];
+        assert!(check_tier_log(&never, 0)
+            .unwrap_err()
+            .contains("never completed"));
+        let late = [TierCall::Finished(RequestId(0)), submit(1, 0), completed(1)];
+        assert!(check_tier_log(&late, 1)
+            .unwrap_err()
+            .contains("after its finish"));
+        let unheard = [submit(1, 0), completed(1)];
+        assert!(check_tier_log(&unheard, 1).unwrap_err().contains("0 of 1"));
+    }
+
+    #[test]
+    fn a_seed_replays_exactly() {
+        for seed in [3, 4] {
+            let a = run_seed(seed, None).expect("clean seed");
+            let b = run_seed(seed, None).expect("clean seed");
+            assert_eq!(a, b, "seed {seed}");
+            assert!(a.steps.0 + a.steps.1 > 0);
+        }
+    }
 }
