@@ -32,6 +32,10 @@ pub const LIB_DIR_ENV: &str = "KVTIER_NIXL_LIB_DIR";
 
 /// The NIXL backend plugin the data plane uses.
 const BACKEND: &str = "UCX";
+/// Status polls of a READ that only yield the core, before each poll sleeps [`READ_BACKOFF`].
+const READ_SPINS: u32 = 256;
+/// The pause between status polls of a READ that is taking long.
+const READ_BACKOFF: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// Whether the NIXL library can be used in this process; the error says why not. The first call
 /// opens the library (from [`LIB_DIR_ENV`] if set, else by name); the answer is kept.
@@ -264,6 +268,7 @@ impl Plane {
             .agent
             .post_xfer_req(&request, None)
             .map_err(|e| failed("post NIXL READ", e))?;
+        let mut polls = 0u32;
         while in_progress {
             if stop() || Instant::now() >= deadline {
                 // Dropping the request releases it, which cancels the transfer in NIXL.
@@ -276,7 +281,14 @@ impl Plane {
                 Err(e) => return Err(failed("NIXL READ status", e)),
             };
             if in_progress {
-                std::thread::yield_now();
+                // Spin briefly (completions on a fast link come within microseconds), then back
+                // off so that a long READ does not hold a core the transport may need.
+                polls = polls.saturating_add(1);
+                if polls < READ_SPINS {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(READ_BACKOFF);
+                }
             }
         }
         Ok(())
