@@ -32,8 +32,9 @@ use std::io::{self, Read};
 use offload_core::ChunkKey;
 use thiserror::Error;
 
-/// The protocol version this crate speaks; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this crate speaks; a peer with another version is refused. Version 2
+/// added NIXL_GET, NIXL_OFFER and NIXL_DONE.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The first bytes of every HELLO body.
 pub const MAGIC: [u8; 4] = *b"KVP2";
 /// Bytes of a frame header: body length (4) and kind (1).

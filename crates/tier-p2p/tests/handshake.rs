@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use offload_core::tier::{SlotMemory, Tier, TierLookup};
 use offload_core::JobId;
-use tier_p2p::frame::{Frame, FrameKind, HEADER_BYTES};
+use tier_p2p::frame::{Frame, FrameKind, HEADER_BYTES, PROTOCOL_VERSION};
 use tier_p2p::{Namespace, P2pConfig, P2pTier};
 
 use common::Raw;
@@ -190,7 +190,8 @@ fn server_refuses_another_protocol_version() {
     let mut hello = Vec::new();
     Raw::hello(common::namespace().as_bytes(), false).encode(&mut hello);
     // The version follows the 4-byte magic.
-    hello[HEADER_BYTES + 4..HEADER_BYTES + 6].copy_from_slice(&2u16.to_le_bytes());
+    hello[HEADER_BYTES + 4..HEADER_BYTES + 6]
+        .copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
     raw.send_bytes(&hello);
     let errors = raw.errors_until_closed();
     assert!(
