@@ -37,9 +37,11 @@ pub struct TierFaults {
     pub busy_ppm: u32,
     /// A job's completion is held up to this many more polls (reordering jobs).
     pub delay_polls_max: u32,
-    /// Per step: the tier starts stalling (until [`FaultTier::set_stalled`] or the end of faults).
+    /// The tier may stall: [`FaultTier::set_stalled`] takes effect (the simulator toggles it at
+    /// random steps); a stall ends with `set_stalled(false)` or when faults are turned off.
     pub stall: bool,
-    /// The tier dies at this simulator step (until faults are turned off).
+    /// The tier may die: [`FaultTier::kill`] takes effect (the simulator calls it at one random
+    /// step); it comes back when faults are turned off.
     pub die: bool,
 }
 
