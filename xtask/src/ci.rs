@@ -6,6 +6,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::features::Selection;
 use crate::{layering, Error};
 
 /// What one CI step does.
@@ -59,10 +60,10 @@ fn cargo_step(name: &'static str, args: &[&str], extra: &[String]) -> Step {
     }
 }
 
-/// The CI steps for the workspace at `root`, in order. `test_args` go after
-/// `cargo test --workspace`. `--locked` is passed when a Cargo.lock exists, so that CI fails on a
+/// The CI steps for the workspace at `root`, in order, building the `features` selection
+/// ([`crate::features::select`]). `test_args` go after `cargo test --workspace`. `--locked` is passed when a Cargo.lock exists, so that CI fails on a
 /// stale lock file instead of rewriting it.
-pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
+pub fn steps(root: &Path, features: &Selection, test_args: &[String]) -> Vec<Step> {
     let locked: Vec<String> = if root.join("Cargo.lock").is_file() {
         vec!["--locked".to_string()]
     } else {
@@ -70,13 +71,13 @@ pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
     };
     let mut clippy = cargo_step(
         "clippy",
-        &["clippy", "--workspace", "--all-targets", "--all-features"],
-        &locked,
+        &["clippy", "--workspace", "--all-targets"],
+        &[features.args.clone(), locked.clone()].concat(),
     );
     if let Action::Cargo { args, .. } = &mut clippy.action {
         args.extend(["--", "-D", "warnings"].map(String::from));
     }
-    let mut test_extra = locked.clone();
+    let mut test_extra = [features.args.clone(), locked.clone()].concat();
     test_extra.extend(test_args.iter().cloned());
     let rustdocflags = match std::env::var("RUSTDOCFLAGS") {
         Ok(flags) if !flags.trim().is_empty() => format!("{flags} -D warnings"),
@@ -84,8 +85,8 @@ pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
     };
     let mut doc = cargo_step(
         "doc",
-        &["doc", "--workspace", "--no-deps", "--all-features"],
-        &locked,
+        &["doc", "--workspace", "--no-deps"],
+        &[features.args.clone(), locked.clone()].concat(),
     );
     if let Action::Cargo { env, .. } = &mut doc.action {
         env.push(("RUSTDOCFLAGS".to_string(), rustdocflags));
@@ -93,11 +94,7 @@ pub fn steps(root: &Path, test_args: &[String]) -> Vec<Step> {
     vec![
         cargo_step("fmt", &["fmt", "--all", "--", "--check"], &[]),
         clippy,
-        cargo_step(
-            "test",
-            &["test", "--workspace", "--all-features"],
-            &test_extra,
-        ),
+        cargo_step("test", &["test", "--workspace"], &test_extra),
         doc,
         Step {
             name: "layering",
@@ -237,7 +234,22 @@ pub fn parse_args(args: &[String]) -> Result<&[String], Error> {
 pub fn main(args: &[String]) -> Result<bool, Error> {
     let test_args = parse_args(args)?;
     let root = crate::workspace_root();
-    let outcomes = run(&root, &steps(&root, test_args));
+    let features = crate::features::select(&root)?;
+    if !features.left_out.is_empty() {
+        println!(
+            "ci: FEATURES NOT BUILT: {} ({}); their tests do not run",
+            features.left_out.join(", "),
+            features.reason
+        );
+    }
+    let outcomes = run(&root, &steps(&root, &features, test_args));
+    if !features.left_out.is_empty() {
+        println!(
+            "ci: FEATURES NOT BUILT: {} ({})",
+            features.left_out.join(", "),
+            features.reason
+        );
+    }
     Ok(outcomes
         .iter()
         .all(|outcome| matches!(outcome, Outcome::Passed(_))))
@@ -263,7 +275,12 @@ mod tests {
     #[test]
     fn steps_are_in_order_with_expected_commands() {
         let root = crate::workspace_root();
-        let steps = steps(&root, &strings(&["--no-fail-fast"]));
+        let all = Selection {
+            args: strings(&["--all-features"]),
+            left_out: Vec::new(),
+            reason: String::new(),
+        };
+        let steps = steps(&root, &all, &strings(&["--no-fail-fast"]));
         let names: Vec<&str> = steps.iter().map(|step| step.name).collect();
         assert_eq!(names, ["fmt", "clippy", "test", "doc", "layering", "sim"]);
         assert_eq!(steps[0].action.to_string(), "cargo fmt --all -- --check");

@@ -288,6 +288,11 @@ impl Workspace {
 
     /// Runs `cargo metadata --format-version 1 --no-deps` in `root` and reads its output.
     pub fn load(root: &Path) -> Result<Self, Error> {
+        Self::from_metadata(&Self::metadata_json(root)?)
+    }
+
+    /// The output of `cargo metadata --format-version 1 --no-deps` in `root`, parsed.
+    pub fn metadata_json(root: &Path) -> Result<Value, Error> {
         let output = Command::new(crate::cargo())
             .args(["metadata", "--format-version", "1", "--no-deps"])
             .current_dir(root)
@@ -300,9 +305,8 @@ impl Workspace {
                 String::from_utf8_lossy(&output.stderr)
             )));
         }
-        let metadata: Value = serde_json::from_slice(&output.stdout)
-            .map_err(|err| Error::new(format!("cannot parse `cargo metadata` output: {err}")))?;
-        Self::from_metadata(&metadata)
+        serde_json::from_slice(&output.stdout)
+            .map_err(|err| Error::new(format!("cannot parse `cargo metadata` output: {err}")))
     }
 
     fn has_member(&self, name: &str) -> bool {

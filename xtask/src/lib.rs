@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod ci;
+pub mod features;
 pub mod gpu;
 pub mod layering;
 pub mod sim;
