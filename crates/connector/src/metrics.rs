@@ -157,7 +157,7 @@ impl Metrics {
                 "kvtier_chunks_total{{tier=\"{tier}\",direction=\"{dir}\",result=\"{result}\"}} {v}"
             );
         }
-        let singles: [(&str, &str, &str, u64); 9] = [
+        let singles: [(&str, &str, &str, u64); 10] = [
             (
                 "kvtier_allocation_failures_total",
                 "counter",
@@ -189,6 +189,12 @@ impl Metrics {
                 "counter",
                 "Requests whose finish reached every tier.",
                 self.tiering.requests_finalized,
+            ),
+            (
+                "kvtier_promotion_pins_expired_total",
+                "counter",
+                "Promoted chunks unpinned at the promotion deadline, never loaded by their request.",
+                self.tiering.promotion_pins_expired,
             ),
             (
                 "kvtier_pool_slots",

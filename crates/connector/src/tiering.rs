@@ -13,6 +13,15 @@
 //!   submits the queue as one Load job per tier and request. A full host pool makes the lookup a
 //!   miss. When the tier reports, the slot's store completes (success or failure; a failed key is
 //!   freed, never served, and that request does not ask the tier for it again).
+//! - **Promotion pins.** A promoted chunk keeps one read reference on behalf of the request it was
+//!   promoted for, until that request's `prepare_load` (which pins what it loads), its
+//!   `on_request_finished`, a reset, or the promotion deadline, whichever comes first; each is
+//!   released exactly once. Without it, the promotions of a prefix larger than the free part of
+//!   the pool evicted each other (idle, not yet loaded) and the request waited forever. With it, a
+//!   promotion that finds no evictable slot is a miss, the lookup stops there, and the request
+//!   loads what was promoted and recomputes the rest. A promotion also never evicts the keys that
+//!   the same request's lookups just found in the host pool (since its last miss or the step's
+//!   start), for the same reason.
 //! - **Per-request state** (host stores pending, finished, tier mask) is finalized only once the
 //!   request finished and no host store of it is pending; queued promotions of the request are
 //!   submitted (or cancelled when a tier refuses) and its cascades submitted before the tiers hear
@@ -42,6 +51,9 @@ use crate::clock::{Clock, MonotonicClock};
 
 /// Most secondary tiers (a [`TierMask`] has one bit per tier).
 pub const TIERS_MAX: usize = 64;
+
+/// Most keys of one request's lookup scan protected from eviction by its promotions.
+pub const SCAN_HITS_MAX: usize = 4096;
 
 /// How many finalized request ids are remembered to catch late calls for them.
 pub const FINALIZED_REMEMBERED_MAX: usize = 65_536;
@@ -146,6 +158,8 @@ pub struct TieringCounters {
     pub host_load_ns: u64,
     /// Resets.
     pub resets: u64,
+    /// Promotion pins dropped at the promotion deadline because their request never loaded them.
+    pub promotion_pins_expired: u64,
 }
 
 /// Settings of a [`TieringManager`] beyond its parts.
@@ -206,6 +220,8 @@ struct TierEntry {
 #[derive(Debug)]
 struct InFlight {
     tier: usize,
+    /// The request the job was submitted for.
+    request: RequestId,
     op: TierOp,
     chunks: Vec<Chunk>,
     submitted_ns: u64,
@@ -225,6 +241,12 @@ struct RequestState {
     tiers: TierMask,
     /// `(key, tier)` promotions that failed for this request: not asked again.
     failed: BTreeSet<(ChunkKey, usize)>,
+    /// Chunks promoted for this request and pinned (one read reference each) on its behalf until
+    /// its `prepare_load`, its finish, a reset or the promotion deadline; with the time pinned.
+    promoted: BTreeMap<ChunkKey, u64>,
+    /// Keys this request's lookups found in the host pool since the last miss or step start: a
+    /// promotion for the request does not evict them (they are the prefix it is about to load).
+    scan_hits: Vec<ChunkKey>,
 }
 
 impl RequestState {
@@ -235,6 +257,8 @@ impl RequestState {
             cascades_queued: 0,
             tiers,
             failed: BTreeSet::new(),
+            promoted: BTreeMap::new(),
+            scan_hits: Vec::new(),
         }
     }
 }
@@ -260,6 +284,8 @@ pub struct TieringManager {
     finalized: BTreeSet<RequestId>,
     finalized_order: VecDeque<RequestId>,
     default_mask: TierMask,
+    /// Promotion pins held, over all requests (see `RequestState::promoted`).
+    promotion_pins: usize,
     counters: TieringCounters,
     events: Vec<TierEvent>,
     host_events: Vec<KvEvent>,
@@ -312,6 +338,7 @@ impl TieringManager {
             finalized: BTreeSet::new(),
             finalized_order: VecDeque::new(),
             default_mask: TierMask::ALL,
+            promotion_pins: 0,
             counters: TieringCounters::default(),
             events: Vec::new(),
             host_events: Vec::new(),
@@ -404,7 +431,31 @@ impl TieringManager {
         if unfinalized > 0 {
             out.push(format!("{unfinalized} finished requests never finalized"));
         }
+        let held: usize = self.requests.values().map(|r| r.promoted.len()).sum();
+        if held != self.promotion_pins {
+            out.push(format!(
+                "{} promotion pins counted, {held} held by requests",
+                self.promotion_pins
+            ));
+        }
+        let finished_pins: usize = self
+            .requests
+            .values()
+            .filter(|r| r.finished)
+            .map(|r| r.promoted.len())
+            .sum();
+        if finished_pins > 0 {
+            out.push(format!(
+                "{finished_pins} promotion pins held for finished requests"
+            ));
+        }
         out
+    }
+
+    /// Promoted chunks pinned on behalf of the requests they were promoted for and not yet
+    /// released (by the request's `prepare_load`, its finish, a reset or the deadline).
+    pub fn promotion_pins(&self) -> usize {
+        self.promotion_pins
     }
 
     /// Tiers a request that never had [`TieringManager::set_request_tiers`] may load from
@@ -431,11 +482,16 @@ impl TieringManager {
 
     /// Start of a step (before the step's metadata is built): reaps tier completions (unpins
     /// cascaded slots, completes promotions), retries cascades refused as busy, cancels
-    /// promotions past their deadline, and finalizes requests that were waiting for them.
+    /// promotions past their deadline, drops promotion pins past it, and finalizes requests that
+    /// were waiting for them.
     pub fn begin_step(&mut self) {
         self.poll_tiers();
         self.retry_cascades();
         self.cancel_overdue_promotions();
+        self.expire_promotion_pins();
+        for state in self.requests.values_mut() {
+            state.scan_hits.clear();
+        }
         self.finalize_waiting_requests();
     }
 
@@ -561,7 +617,10 @@ impl TieringManager {
     }
 
     /// Reserves a host slot for `key` (so a second lookup sees `Pending`) and queues its
-    /// promotion from tier `tier`. A full host pool makes it a miss.
+    /// promotion from tier `tier`. A full host pool makes it a miss: idle chunks can be evicted
+    /// for it, but not chunks promoted and pinned for a request that has yet to load them, nor
+    /// the prefix this request's lookups just found in the host pool. So a request whose prefix
+    /// does not fit loads what fits and recomputes the rest instead of promoting forever.
     fn reserve_promotion(
         &mut self,
         key: ChunkKey,
@@ -569,11 +628,26 @@ impl TieringManager {
         tier: usize,
     ) -> LookupResult {
         let mut prepared = std::mem::take(&mut self.scratch_prepared);
+        // The prefix this request found in the host pool is passed along so that it is not
+        // evicted for the request's own promotion (prepare_store never evicts keys it is given).
+        let mut keys = self
+            .requests
+            .get_mut(&request)
+            .map(|r| std::mem::take(&mut r.scan_hits))
+            .unwrap_or_default();
+        keys.push(key);
         let ok = self
             .host
-            .prepare_store(&[key], request, &mut prepared)
+            .prepare_store(&keys, request, &mut prepared)
             .is_ok();
-        let slot = prepared.slots.first().copied();
+        keys.pop();
+        if let Some(r) = self.requests.get_mut(&request) {
+            r.scan_hits = keys;
+        }
+        let slot = match (prepared.keys.as_slice(), prepared.slots.as_slice()) {
+            ([k], [s]) if *k == key => Some(*s),
+            _ => None,
+        };
         self.scratch_prepared = prepared;
         let (true, Some(slot)) = (ok, slot) else {
             self.tiers[tier].counters.promotion_no_space += 1;
@@ -616,6 +690,7 @@ impl TieringManager {
                     id,
                     InFlight {
                         tier,
+                        request,
                         op: TierOp::Load,
                         chunks: job.chunks,
                         submitted_ns: now,
@@ -644,6 +719,69 @@ impl TieringManager {
         if let Some(r) = self.requests.get_mut(&request) {
             r.failed.extend(keys.iter().map(|&k| (k, tier)));
         }
+    }
+
+    /// Pins chunks just promoted for `request` on its behalf, so that later promotions cannot
+    /// evict them before the request loads them. Nothing is pinned for a finished request.
+    fn pin_promoted(&mut self, request: RequestId, keys: &[ChunkKey]) {
+        if keys.is_empty() || self.requests.get(&request).is_none_or(|r| r.finished) {
+            return;
+        }
+        let now = self.now();
+        let mut slots = Vec::with_capacity(1);
+        for &key in keys {
+            let already = self
+                .requests
+                .get(&request)
+                .is_some_and(|r| r.promoted.contains_key(&key));
+            slots.clear();
+            if already || self.host.prepare_load(&[key], request, &mut slots).is_err() {
+                continue;
+            }
+            if let Some(r) = self.requests.get_mut(&request) {
+                r.promoted.insert(key, now);
+                self.promotion_pins += 1;
+            }
+        }
+    }
+
+    /// Drops every promotion pin held for `request`, each exactly once.
+    fn release_promotion_pins(&mut self, request: RequestId) {
+        let Some(state) = self.requests.get_mut(&request) else {
+            return;
+        };
+        if state.promoted.is_empty() {
+            return;
+        }
+        let keys: Vec<ChunkKey> = std::mem::take(&mut state.promoted).into_keys().collect();
+        self.promotion_pins -= keys.len();
+        self.host.complete_load(&keys);
+    }
+
+    /// Drops promotion pins older than the promotion deadline: their request did not load them
+    /// in time, and the slots go back to the pool.
+    fn expire_promotion_pins(&mut self) {
+        if self.promotion_pins == 0 {
+            return;
+        }
+        let now = self.now();
+        let deadline = self.options.promotion_deadline_ns;
+        let mut expired = Vec::new();
+        for state in self.requests.values_mut() {
+            state.promoted.retain(|&key, &mut at| {
+                let keep = now.saturating_sub(at) <= deadline;
+                if !keep {
+                    expired.push(key);
+                }
+                keep
+            });
+        }
+        if expired.is_empty() {
+            return;
+        }
+        self.promotion_pins -= expired.len();
+        self.counters.promotion_pins_expired += expired.len() as u64;
+        self.host.complete_load(&expired);
     }
 
     /// Pins the ready chunks among `keys` and submits one Store job per tier.
@@ -706,6 +844,7 @@ impl TieringManager {
                     id,
                     InFlight {
                         tier,
+                        request,
                         op: TierOp::Store,
                         chunks: job.chunks,
                         submitted_ns: now,
@@ -906,6 +1045,7 @@ impl TieringManager {
         // A failed key's slot holds no valid data: freed, never served.
         self.host.complete_store(&ok, true);
         self.host.complete_store(&bad, false);
+        self.pin_promoted(job.request, &ok);
         if bad.is_empty() {
             return;
         }
@@ -975,10 +1115,27 @@ impl OffloadManager for TieringManager {
         if !self.check_live(request, "lookup") {
             return LookupResult::Miss;
         }
-        match self.host.lookup(key, request) {
-            LookupResult::Miss if !self.tiers.is_empty() => self.lookup_tiers(key, request),
-            answer => answer,
+        if self.tiers.is_empty() {
+            return self.host.lookup(key, request);
         }
+        let answer = match self.host.lookup(key, request) {
+            LookupResult::Miss => self.lookup_tiers(key, request),
+            LookupResult::Hit => {
+                let hits = &mut self.state(request).scan_hits;
+                if hits.len() < SCAN_HITS_MAX {
+                    hits.push(key);
+                }
+                LookupResult::Hit
+            }
+            answer => answer,
+        };
+        if answer == LookupResult::Miss {
+            // The scan stops here; the next lookup of this request starts another.
+            if let Some(r) = self.requests.get_mut(&request) {
+                r.scan_hits.clear();
+            }
+        }
+        answer
     }
 
     fn prepare_load(
@@ -993,7 +1150,11 @@ impl OffloadManager for TieringManager {
                 request.0
             )));
         }
-        self.host.prepare_load(keys, request, slots)?;
+        let loaded = self.host.prepare_load(keys, request, slots);
+        // The request took what it could (or failed and recomputes): its promotion pins go, the
+        // chunks it loads being pinned by the load itself.
+        self.release_promotion_pins(request);
+        loaded?;
         if let Some(&first) = keys.first() {
             let now = self.now();
             self.host_loads.entry(first).or_default().push_back(now);
@@ -1091,6 +1252,7 @@ impl OffloadManager for TieringManager {
             return;
         }
         self.state(request).finished = true;
+        self.release_promotion_pins(request);
         self.try_finalize(request);
     }
 
@@ -1103,6 +1265,7 @@ impl OffloadManager for TieringManager {
         self.drain();
         self.drop_queued_cascades();
         self.host.reset();
+        self.promotion_pins = 0;
         // The scheduler's host stores were cancelled with its jobs.
         self.host_stores.clear();
         self.host_loads.clear();
@@ -1111,6 +1274,9 @@ impl OffloadManager for TieringManager {
             if let Some(state) = self.requests.get_mut(&id) {
                 state.host_stores_pending = 0;
                 state.failed.clear();
+                // The pool dropped the pinned chunks above.
+                state.promoted.clear();
+                state.scan_hits.clear();
             }
             self.try_finalize(id);
         }

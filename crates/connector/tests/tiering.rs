@@ -1,5 +1,6 @@
-//! The tiering manager against fake tiers: cascades and their pins, promotions, the per-request
-//! finalization order, reset, busy and failing tiers, and strict checks on tier reports.
+//! The tiering manager against fake tiers: cascades and their pins, promotions and their pins
+//! (a prefix larger than the host pool converges), the per-request finalization order, reset,
+//! busy and failing tiers, and strict checks on tier reports.
 
 use std::sync::Arc;
 
@@ -24,6 +25,19 @@ struct Fixture {
 }
 
 fn fixture_with(slots: u32, configs: Vec<FakeTierConfig>, strict: bool) -> Fixture {
+    let options = TieringOptions {
+        strict,
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    };
+    fixture_with_options(slots, configs, options)
+}
+
+fn fixture_with_options(
+    slots: u32,
+    configs: Vec<FakeTierConfig>,
+    options: TieringOptions,
+) -> Fixture {
+    let strict = options.strict;
     let memory = Arc::new(VecSlotMemory::new(slots, SLOT_BYTES));
     let tiers: Vec<SharedTier<FakeTier>> = configs
         .into_iter()
@@ -42,10 +56,6 @@ fn fixture_with(slots: u32, configs: Vec<FakeTierConfig>, strict: bool) -> Fixtu
         strict,
     )
     .expect("pool config");
-    let options = TieringOptions {
-        strict,
-        ..TieringOptions::new(SLOT_BYTES as u32)
-    };
     let manager = TieringManager::new(host, tiers.iter().map(|t| t.boxed()).collect(), options)
         .expect("manager");
     Fixture {
@@ -605,4 +615,267 @@ fn the_manager_and_the_handle_can_move_to_another_thread() {
             .expect("handle");
     send(&handle);
     assert_eq!(handle.tiering().tier_count(), 1);
+}
+
+/// Leaves `keys` in the (only) tier and none in the host pool, whatever the pool's size: stores
+/// them through the host pool in batches that fit, lets each batch cascade, then resets.
+fn keys_only_in_the_tier(f: &mut Fixture, keys: &[ChunkKey]) {
+    let owner = RequestId(1000);
+    let batch = f.manager.host().slot_count() as usize;
+    for part in keys.chunks(batch) {
+        store(f, owner, part);
+        f.manager.begin_step();
+    }
+    f.manager.on_request_finished(owner);
+    f.manager.reset();
+    assert_eq!(f.manager.host().len(), 0);
+    for &k in keys {
+        assert!(f.tiers[0].with(|t| t.contains(k)));
+    }
+}
+
+/// One lookup scan of a prefix as the scheduler does it (design.md section 4 item 11): stops at
+/// the first miss, a pending or retry answer defers the request. `None` when deferred, else the
+/// keys it would load.
+fn scan(m: &mut TieringManager, request: RequestId, keys: &[ChunkKey]) -> Option<Vec<ChunkKey>> {
+    let mut hits = Vec::new();
+    let mut deferred = false;
+    for &k in keys {
+        match m.lookup(k, request) {
+            LookupResult::Miss => break,
+            LookupResult::Hit if !deferred => hits.push(k),
+            LookupResult::Hit => {}
+            LookupResult::Pending | LookupResult::Retry => deferred = true,
+        }
+    }
+    (!deferred).then_some(hits)
+}
+
+/// Steps a waiting request (lookup scan each step) until its lookup stops deferring, at most
+/// `steps_max` steps; then pins what it matched with `prepare_load`. Returns the keys loaded, or
+/// `None` when it was still deferred.
+fn wait_and_load(
+    f: &mut Fixture,
+    request: RequestId,
+    keys: &[ChunkKey],
+    steps_max: u32,
+) -> Option<Vec<ChunkKey>> {
+    for _ in 0..steps_max {
+        f.manager.begin_step();
+        if let Some(hits) = scan(&mut f.manager, request, keys) {
+            let mut slots = Vec::new();
+            f.manager
+                .prepare_load(&hits, request, &mut slots)
+                .expect("matched chunks are ready");
+            return Some(hits);
+        }
+        f.manager.end_step();
+    }
+    None
+}
+
+#[test]
+fn a_prefix_larger_than_the_host_pool_loads_what_fits_instead_of_waiting_forever() {
+    // 4 host slots, a prefix of 8 chunks that only the tier holds. Before promotion pins, each
+    // step's promotions evicted the previous step's (idle, not yet loaded) and the lookup
+    // deferred forever.
+    let mut f = fixture(4, 1);
+    let prefix: Vec<ChunkKey> = (1..=8).map(key).collect();
+    keys_only_in_the_tier(&mut f, &prefix);
+    let r = RequestId(2);
+    let loaded = wait_and_load(&mut f, r, &prefix, 20).expect("the lookup converged");
+    assert_eq!(loaded, prefix[..4].to_vec(), "the part that fits, in order");
+    assert_eq!(
+        f.manager.promotion_pins(),
+        0,
+        "the load took over the promotion pins"
+    );
+    for &k in &prefix[..4] {
+        assert_eq!(f.manager.host().ref_count(k), Some(1), "pinned by the load");
+        let slot = f.manager.host().slot_of(k).expect("present");
+        assert_eq!(
+            read_slot_vec(f.memory.as_ref(), slot, SLOT_BYTES),
+            tier_testkit::pattern(k.hash, SLOT_BYTES)
+        );
+    }
+    assert!(
+        f.manager
+            .tier_counters(0)
+            .is_some_and(|c| c.promotion_no_space > 0),
+        "the fifth chunk found no room"
+    );
+    f.manager.complete_load(&loaded);
+    f.manager.on_request_finished(r);
+    f.manager.begin_step();
+    for &k in &prefix[..4] {
+        assert_eq!(f.manager.host().ref_count(k), Some(0));
+    }
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+    no_fake_violations(&f);
+}
+
+#[test]
+fn two_waiting_requests_larger_together_than_the_pool_both_converge() {
+    // 6 host slots, two prefixes of 4 chunks that only the tier holds. `a` starts a step
+    // earlier; from then on `b` looks up first in each step, so without promotion pins `b`'s
+    // promotions evict `a`'s (done, idle, not yet loaded) and the other way round, forever.
+    let mut f = fixture(6, 1);
+    let a: Vec<ChunkKey> = (1..=4).map(key).collect();
+    let b: Vec<ChunkKey> = (11..=14).map(key).collect();
+    let all: Vec<ChunkKey> = a.iter().chain(&b).copied().collect();
+    keys_only_in_the_tier(&mut f, &all);
+    let (ra, rb) = (RequestId(2), RequestId(3));
+    let mut done_a = None;
+    let mut done_b = None;
+    for step in 0..20 {
+        f.manager.begin_step();
+        let order = if step == 0 {
+            vec![(ra, &a, &mut done_a)]
+        } else {
+            vec![(rb, &b, &mut done_b), (ra, &a, &mut done_a)]
+        };
+        for (r, keys, done) in order {
+            if done.is_some() {
+                continue;
+            }
+            if let Some(hits) = scan(&mut f.manager, r, keys) {
+                let mut slots = Vec::new();
+                f.manager.prepare_load(&hits, r, &mut slots).expect("ready");
+                *done = Some(hits);
+            }
+        }
+        f.manager.end_step();
+        if done_a.is_some() && done_b.is_some() {
+            break;
+        }
+    }
+    let (Some(la), Some(lb)) = (done_a, done_b) else {
+        panic!("a request still waits");
+    };
+    assert_eq!(la, a, "the first request keeps what was promoted for it");
+    assert_eq!(lb, b[..2].to_vec(), "the second gets what is left");
+    assert_eq!(f.manager.promotion_pins(), 0);
+    f.manager.complete_load(&la);
+    f.manager.complete_load(&lb);
+    f.manager.on_request_finished(ra);
+    f.manager.on_request_finished(rb);
+    f.manager.begin_step();
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+    no_fake_violations(&f);
+}
+
+#[test]
+fn a_promotion_does_not_evict_the_prefix_its_own_request_just_found() {
+    // Host: chunks 1 and 2 (idle) and two free slots; the tier has 1 to 6.
+    let mut f = fixture(4, 1);
+    keys_only_in_the_tier(&mut f, &[key(3), key(4), key(5), key(6)]);
+    store(&mut f, RequestId(1), &[key(1), key(2)]);
+    f.manager.on_request_finished(RequestId(1));
+    let prefix: Vec<ChunkKey> = (1..=6).map(key).collect();
+    let r = RequestId(2);
+    let loaded = wait_and_load(&mut f, r, &prefix, 20).expect("converged");
+    // Promoting 5 would have evicted 1 (and 6 evicted 2): the next scan would then miss at 1.
+    assert_eq!(loaded, prefix[..4].to_vec());
+    f.manager.complete_load(&loaded);
+    f.manager.on_request_finished(r);
+    f.manager.begin_step();
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+}
+
+#[test]
+fn promotion_pins_go_with_the_finish_the_reset_and_the_deadline_exactly_once() {
+    let clock = connector::ManualClock::new();
+    let options = TieringOptions {
+        strict: true,
+        promotion_deadline_ns: 1000,
+        clock: Arc::new(clock.clone()),
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    };
+    // The host pool is strict too: a second release of a pin panics there.
+    let mut f = fixture_with_options(8, vec![FakeTierConfig::default()], options);
+    let keys: Vec<ChunkKey> = (1..=3).map(key).collect();
+    keys_only_in_the_tier(&mut f, &keys);
+    let promote = |f: &mut Fixture, r: RequestId| {
+        f.manager.begin_step();
+        assert_eq!(scan(&mut f.manager, r, &keys), None, "deferred");
+        f.manager.end_step();
+        f.manager.begin_step();
+    };
+
+    // Finish without a load.
+    let r = RequestId(2);
+    promote(&mut f, r);
+    assert_eq!(f.manager.promotion_pins(), 3);
+    assert_eq!(f.manager.host().ref_count(key(1)), Some(1));
+    assert_eq!(
+        scan(&mut f.manager, r, &keys),
+        Some(keys.clone()),
+        "the same request sees its promoted chunks as hits"
+    );
+    f.manager.on_request_finished(r);
+    assert_eq!(f.manager.promotion_pins(), 0);
+    for &k in &keys {
+        assert_eq!(f.manager.host().ref_count(k), Some(0));
+    }
+    assert!(f.manager.is_finalized(r));
+
+    // Reset: the pool drops the pinned chunks; the later finish releases nothing again.
+    f.manager.reset();
+    let r = RequestId(3);
+    promote(&mut f, r);
+    assert_eq!(f.manager.promotion_pins(), 3);
+    f.manager.reset();
+    assert_eq!(f.manager.promotion_pins(), 0);
+    assert_eq!(f.manager.host().len(), 0);
+    f.manager.on_request_finished(r);
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+
+    // Deadline: a request that never loads gives its pins back; its finish releases nothing.
+    let r = RequestId(4);
+    promote(&mut f, r);
+    assert_eq!(f.manager.promotion_pins(), 3);
+    clock.advance(1000);
+    f.manager.begin_step();
+    assert_eq!(f.manager.promotion_pins(), 3, "not past the deadline yet");
+    clock.advance(1);
+    f.manager.begin_step();
+    assert_eq!(f.manager.promotion_pins(), 0);
+    assert_eq!(f.manager.counters().promotion_pins_expired, 3);
+    for &k in &keys {
+        assert_eq!(f.manager.host().ref_count(k), Some(0), "idle again");
+    }
+    f.manager.on_request_finished(r);
+
+    // A promotion that completes after its request finished pins nothing.
+    f.manager.reset();
+    let r = RequestId(5);
+    f.manager.begin_step();
+    assert_eq!(scan(&mut f.manager, r, &keys), None);
+    f.manager.on_request_finished(r);
+    f.manager.drain();
+    assert_eq!(f.manager.promotion_pins(), 0);
+    assert_eq!(f.manager.host().ref_count(key(1)), Some(0));
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+    assert_eq!(f.manager.counters().invariant_failures, 0);
+    no_fake_violations(&f);
 }
