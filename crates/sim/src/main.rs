@@ -1,7 +1,7 @@
 //! `kvtier-sim`: runs seeds of the deterministic simulator (`cargo xtask sim` builds and runs it).
 //! `--seed S` replays one seed; `--seeds N [--base B]` runs seeds B..B+N; `--trace [PATH]` takes
 //! arrivals from a Mooncake trace; `--keep-going` runs every seed and counts failures;
-//! `--tiny-host` lets the host pool be smaller than one request's prefix (a known livelock). A failure prints the seed, what broke and the replay command.
+//! `--tiny-host` lets a host pool under pressure shrink to 1 slot (4 without it). A failure prints the seed, what broke and the replay command.
 
 use std::process::ExitCode;
 use std::time::Instant;

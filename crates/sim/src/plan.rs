@@ -151,13 +151,13 @@ pub fn plan(seed: u64, trace: Option<&[TraceRecord]>) -> Plan {
     plan_with(seed, trace, false)
 }
 
-/// [`plan`], and with `tiny_host` the host pool under pressure may be smaller than one request's
-/// prefix.
+/// [`plan`], and with `tiny_host` the host pool under pressure may be as small as 1 slot (4
+/// without it).
 ///
-/// Without it the host pool has at least as many slots as the longest request has chunks, plus
-/// 4: with fewer, the tiering manager's promotions for one request evict each other before the
-/// request can load them, and the request waits forever (a livelock the simulator found, left to
-/// the connector's owner; `--tiny-host` reproduces it).
+/// Under host pressure the pool may be smaller than one request's prefix. That once livelocked
+/// the tiering manager (promotions for a waiting request evicted each other before it could load
+/// them); promoted chunks now stay pinned for their request, and the pool has no floor tied to
+/// the longest request any more.
 pub fn plan_with(seed: u64, trace: Option<&[TraceRecord]>, tiny_host: bool) -> Plan {
     let mut rng = SplitMix64::stream(seed, 0x91A4);
     let manager = match rng.below(3) {
@@ -258,10 +258,9 @@ pub fn plan_with(seed: u64, trace: Option<&[TraceRecord]>, tiny_host: bool) -> P
     } else {
         config.num_gpu_blocks.max(need_blocks) * 2
     };
-    let chunks_max = need_blocks.div_ceil(config.blocks_per_chunk);
-    let floor = if tiny_host { 0 } else { chunks_max };
+    let slots_min = if tiny_host { 1 } else { 4 };
     config.host_slots = if w(EventKind::HostPressure) > 0 {
-        4 + floor + rng.below(64) as u32
+        slots_min + rng.below(64) as u32
     } else {
         config.host_slots.max(256)
     };
