@@ -15,7 +15,7 @@ use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
@@ -29,8 +29,11 @@ use crate::tier::FsTier;
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;
 const GIB: f64 = (1u64 << 30) as f64;
-/// Host slots of the benchmark's pool (the jobs cycle through them).
-const SLOT_COUNT: u32 = 16;
+/// Jobs in flight at once; each has its own group of `chunks_per_job` host slots, so that no two
+/// jobs in flight share a slot (the Tier contract: a job owns its slots until it completes).
+const JOBS_IN_FLIGHT_MAX: usize = 8;
+/// The fewest chunks a pass moves.
+const CHUNKS_MIN: usize = 32;
 /// The longest one pass may take before the benchmark gives up.
 const PASS_DEADLINE: Duration = Duration::from_secs(600);
 /// The most raw-I/O threads.
@@ -122,29 +125,55 @@ fn bench_namespace() -> NamespaceId {
     }
 }
 
-/// A host pool in ordinary memory, one mutex per slot.
+/// A host pool like the engine-facing one: one page-aligned allocation, slot after slot, with a
+/// stable address (`slot_ptr`), so that the tier may move payloads straight between slots and
+/// files. Each job owns its slots while in flight (see `run_jobs`), so accesses never overlap.
 struct BenchMemory {
-    slots: Vec<Mutex<Vec<u8>>>,
+    bytes: std::cell::UnsafeCell<AlignedBuf>,
+    base: std::ptr::NonNull<u8>,
+    slot_count: u32,
     slot_bytes: usize,
 }
 
+// SAFETY: the allocation is only reached through `base` for ranges of one slot, and a slot is
+// used by one job at a time (the Tier contract, kept by `run_jobs`), like a pool of `&mut [u8]`.
+unsafe impl Send for BenchMemory {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for BenchMemory {}
+
 impl BenchMemory {
-    fn new(slot_count: u32, slot_bytes: usize) -> Self {
-        let slots = (0..slot_count)
-            .map(|s| {
-                let row = (0..slot_bytes)
-                    .map(|i| (i as u64).wrapping_mul(31).wrapping_add(u64::from(s)) as u8)
-                    .collect();
-                Mutex::new(row)
-            })
-            .collect();
-        Self { slots, slot_bytes }
+    fn new(slot_count: u32, slot_bytes: usize) -> Result<Self, FsError> {
+        let slot_bytes = slot_bytes.next_multiple_of(crate::io::buf::ALIGN);
+        let total = slot_bytes * slot_count as usize;
+        let mut buf = AlignedBuf::try_with_capacity(total)
+            .map_err(|e| bench_error(format!("bench host pool of {total} bytes: {e}")))?;
+        for (i, b) in buf.as_full_mut_slice().iter_mut().enumerate() {
+            *b = (i as u64).wrapping_mul(31).wrapping_add(i as u64 >> 20) as u8;
+        }
+        let base = std::ptr::NonNull::new(buf.as_mut_ptr())
+            .ok_or_else(|| bench_error("bench host pool: null allocation".into()))?;
+        Ok(Self {
+            bytes: std::cell::UnsafeCell::new(buf),
+            base,
+            slot_count,
+            slot_bytes,
+        })
     }
 
-    fn row(&self, slot: SlotId) -> std::sync::MutexGuard<'_, Vec<u8>> {
-        self.slots[slot.0 as usize]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    fn at(&self, slot: SlotId, offset: usize, len: usize) -> *mut u8 {
+        assert!(
+            slot.0 < self.slot_count && offset + len <= self.slot_bytes,
+            "bench memory: slot {} offset {offset} len {len} outside the pool",
+            slot.0
+        );
+        // Keeps the allocation (owned by `bytes`) tied to this struct's lifetime.
+        let _ = &self.bytes;
+        // SAFETY: inside the allocation (checked above).
+        unsafe {
+            self.base
+                .as_ptr()
+                .add(slot.0 as usize * self.slot_bytes + offset)
+        }
     }
 }
 
@@ -154,15 +183,23 @@ impl SlotMemory for BenchMemory {
     }
 
     fn slot_count(&self) -> u32 {
-        u32::try_from(self.slots.len()).unwrap_or(u32::MAX)
+        self.slot_count
     }
 
     fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
-        dst.copy_from_slice(&self.row(slot)[offset..offset + dst.len()]);
+        let src = self.at(slot, offset, dst.len());
+        // SAFETY: inside the pool (checked by `at`); the calling job owns the slot.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
     }
 
     fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
-        self.row(slot)[offset..offset + src.len()].copy_from_slice(src);
+        let dst = self.at(slot, offset, src.len());
+        // SAFETY: as in `read_slot`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+    }
+
+    fn slot_ptr(&self, slot: SlotId) -> Option<std::ptr::NonNull<u8>> {
+        std::ptr::NonNull::new(self.at(slot, 0, 0))
     }
 }
 
@@ -286,33 +323,39 @@ fn run_jobs(
     chunks_per_job: usize,
     first_id: u64,
 ) -> Result<Duration, FsError> {
-    let jobs: Vec<TierJob> = keys
-        .chunks(chunks_per_job)
-        .enumerate()
-        .map(|(j, chunk)| TierJob {
-            id: JobId(first_id + j as u64),
-            request: None,
-            op,
-            chunks: chunk
-                .iter()
-                .enumerate()
-                .map(|(i, &key)| {
-                    let slot = ((j * chunks_per_job + i) % SLOT_COUNT as usize) as u32;
-                    (key, SlotId(slot), size)
-                })
-                .collect(),
-        })
-        .collect();
-    let total = jobs.len();
-    let mut pending = jobs.into_iter().peekable();
+    // A job takes a free group of slots when submitted and gives it back when it completes.
+    let job_of = |j: usize, group: usize| TierJob {
+        id: JobId(first_id + j as u64),
+        request: None,
+        op,
+        chunks: keys[j * chunks_per_job..keys.len().min((j + 1) * chunks_per_job)]
+            .iter()
+            .enumerate()
+            .map(|(i, &key)| {
+                let slot = (group * chunks_per_job + i) as u32;
+                (key, SlotId(slot), size)
+            })
+            .collect(),
+    };
+    let total = keys.len().div_ceil(chunks_per_job);
+    let mut free_groups: Vec<usize> = (0..JOBS_IN_FLIGHT_MAX).rev().collect();
+    let mut group_of: std::collections::HashMap<JobId, usize> = std::collections::HashMap::new();
+    let mut next = 0;
     let mut done = 0;
     let mut out: Vec<TierCompletion> = Vec::new();
     let start = Instant::now();
     while done < total {
-        while let Some(job) = pending.peek() {
-            match tier.submit(job.clone()) {
+        while next < total {
+            let Some(&group) = free_groups.last() else {
+                break;
+            };
+            let job = job_of(next, group);
+            let id = job.id;
+            match tier.submit(job) {
                 Ok(()) => {
-                    pending.next();
+                    free_groups.pop();
+                    group_of.insert(id, group);
+                    next += 1;
                 }
                 Err(offload_core::tier::SubmitError::Busy { .. }) => break,
                 Err(e) => return Err(bench_error(format!("{op:?} submit refused: {e}"))),
@@ -320,6 +363,9 @@ fn run_jobs(
         }
         tier.poll(&mut out);
         for completion in out.drain(..) {
+            if let Some(group) = group_of.remove(&completion.id) {
+                free_groups.push(group);
+            }
             if !completion.is_success() {
                 return Err(bench_error(format!(
                     "{op:?} job {} failed keys {:?} (stats: {:?})",
@@ -346,7 +392,9 @@ fn tier(config: &FsBenchConfig, size: usize, count: usize) -> Result<(f64, f64, 
     let root = config
         .dir
         .join(format!("kvtier-fs-bench-{}", std::process::id()));
-    let memory = Arc::new(BenchMemory::new(SLOT_COUNT, size));
+    let slot_count = u32::try_from(JOBS_IN_FLIGHT_MAX * config.chunks_per_job)
+        .map_err(|_| bench_error("too many chunks per job".into()))?;
+    let memory = Arc::new(BenchMemory::new(slot_count, size)?);
     let tier_config = FsTierConfig {
         engine: config.engine,
         workers: config.workers,
@@ -411,7 +459,7 @@ pub fn run(
     for &size in &config.chunk_sizes {
         let count = usize::try_from(config.total_bytes / size as u64)
             .unwrap_or(usize::MAX)
-            .max(2 * SLOT_COUNT as usize);
+            .max(CHUNKS_MIN);
         let mut best = [0f64; 6];
         for round in 0..config.repeats {
             // The pass that runs first after a pause may get a burst from the disk: each pass

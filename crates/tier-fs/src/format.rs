@@ -12,7 +12,6 @@
 //! one may have a torn tail).
 
 use offload_core::ChunkKey;
-use xxhash_rust::xxh3::xxh3_64;
 
 /// Alignment of the header, payload and file length (O_DIRECT).
 pub const ALIGN: usize = crate::io::buf::ALIGN;
@@ -63,6 +62,11 @@ pub fn file_bytes(payload_len: u64) -> u64 {
 /// The checksum of a payload (xxh3-64).
 pub fn payload_checksum(payload: &[u8]) -> u64 {
     xxh3_64(payload)
+}
+
+/// xxh3-64 with seed 0 (twox-hash, which picks AVX2 at run time where the CPU has it).
+pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
 }
 
 /// Why a record does not verify.
@@ -261,7 +265,29 @@ pub fn encode_into(
 /// Verifies a whole record image read back for `key` with `expected_len` payload bytes and returns
 /// the payload.
 pub fn verify(file: &[u8], key: ChunkKey, expected_len: u64) -> Result<&[u8], FormatError> {
-    let header = Header::decode(file)?;
+    let (header, body) = file.split_at(file.len().min(HEADER_BYTES));
+    let len = verify_parts(header, body, key, expected_len)?;
+    Ok(&body[..len])
+}
+
+/// Verifies a record read back in two parts, its header (`header`, [`HEADER_BYTES`]) and the
+/// bytes after it (`body`: payload and padding, wherever they were read to, e.g. straight into a
+/// host slot), for `key` with `expected_len` payload bytes; returns the payload length (the
+/// payload is `body[..len]`). Same checks, in the same order, as [`verify`] of the whole image.
+pub fn verify_parts(
+    header: &[u8],
+    body: &[u8],
+    key: ChunkKey,
+    expected_len: u64,
+) -> Result<usize, FormatError> {
+    let have = header.len() + body.len();
+    if header.len() < HEADER_BYTES {
+        return Err(FormatError::Truncated {
+            have,
+            need: HEADER_BYTES,
+        });
+    }
+    let header = Header::decode(header)?;
     if header.kind != RecordKind::Chunk {
         return Err(FormatError::NotAChunk);
     }
@@ -269,14 +295,15 @@ pub fn verify(file: &[u8], key: ChunkKey, expected_len: u64) -> Result<&[u8], Fo
         return Err(FormatError::WrongKey(header.key));
     }
     let need = file_bytes(header.payload_len);
-    if (file.len() as u64) < need {
+    if (have as u64) < need {
         return Err(FormatError::Truncated {
-            have: file.len(),
+            have,
             need: usize::try_from(need).unwrap_or(usize::MAX),
         });
     }
-    let payload = &file[HEADER_BYTES..HEADER_BYTES + header.payload_len as usize];
-    if payload_checksum(payload) != header.checksum {
+    // Fits: at most `body.len()` (checked just above).
+    let len = header.payload_len as usize;
+    if payload_checksum(&body[..len]) != header.checksum {
         return Err(FormatError::BadChecksum);
     }
     if header.payload_len != expected_len {
@@ -285,7 +312,7 @@ pub fn verify(file: &[u8], key: ChunkKey, expected_len: u64) -> Result<&[u8], Fo
             expected: expected_len,
         });
     }
-    Ok(payload)
+    Ok(len)
 }
 
 #[cfg(test)]
@@ -364,6 +391,59 @@ mod tests {
         let mut seal = vec![0u8; HEADER_BYTES];
         Header::seal().encode(&mut seal);
         assert_eq!(Header::decode(&seal).unwrap().kind, RecordKind::Seal);
+    }
+
+    #[test]
+    fn verify_parts_agrees_with_verify() {
+        let key = ChunkKey::new(0x77, 2);
+        let payload: Vec<u8> = (0..8192u32).map(|i| (i * 13) as u8).collect();
+        let file = image(key, &payload);
+        let (header, body) = file.split_at(HEADER_BYTES);
+        assert_eq!(verify_parts(header, body, key, 8192), Ok(8192));
+        let mut damaged = body.to_vec();
+        damaged[100] ^= 1;
+        assert_eq!(
+            verify_parts(header, &damaged, key, 8192),
+            Err(FormatError::BadChecksum)
+        );
+        assert!(matches!(
+            verify_parts(header, &body[..4096], key, 8192),
+            Err(FormatError::Truncated { .. })
+        ));
+        assert!(matches!(
+            verify_parts(&header[..100], body, key, 8192),
+            Err(FormatError::Truncated { .. })
+        ));
+        assert_eq!(
+            verify_parts(header, body, ChunkKey::new(0x77, 3), 8192),
+            Err(FormatError::WrongKey(key))
+        );
+    }
+
+    #[test]
+    fn checksums_equal_the_reference_xxh3() {
+        // Records written before the switch to twox-hash must still verify.
+        for len in [
+            0usize,
+            1,
+            16,
+            17,
+            128,
+            129,
+            240,
+            241,
+            1000,
+            4096,
+            100_000,
+            1 << 20,
+        ] {
+            let bytes: Vec<u8> = (0..len).map(|i| (i * 131 + len) as u8).collect();
+            assert_eq!(
+                payload_checksum(&bytes),
+                xxhash_rust::xxh3::xxh3_64(&bytes),
+                "length {len}"
+            );
+        }
     }
 
     #[test]

@@ -9,8 +9,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use xxhash_rust::xxh3::xxh3_64;
-
 use crate::config::NamespaceId;
 use crate::error::FsError;
 use crate::format::FORMAT_VERSION;
@@ -31,7 +29,7 @@ pub fn namespace_hash(ns: &NamespaceId) -> u64 {
         "kvtier-fs/v{FORMAT_VERSION}\0{}\0{}\0{}\0{}",
         ns.model, ns.dtype, ns.tokens_per_chunk, ns.parallel_layout
     );
-    xxh3_64(text.as_bytes())
+    crate::format::xxh3_64(text.as_bytes())
 }
 
 /// A fresh tier-instance id: a hash of the process id, the wall clock and a process-wide
@@ -42,7 +40,7 @@ pub fn new_instance_id() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let text = format!("{}-{nanos}-{n}", std::process::id());
-    xxh3_64(text.as_bytes())
+    crate::format::xxh3_64(text.as_bytes())
 }
 
 /// The paths of one namespace.

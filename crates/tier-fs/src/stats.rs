@@ -73,6 +73,10 @@ pub struct FsStats {
     pub direct_fallbacks: u64,
     /// Operations retried buffered after EINVAL.
     pub buffered_retries: u64,
+    /// Record writes and reads whose payload moved straight between the host slot and the file
+    /// (no bounce buffer: O_DIRECT, a slot with a stable 4 KiB-aligned address, a payload length
+    /// that is a multiple of 4 KiB).
+    pub zero_copy_ops: u64,
     /// Warnings issued (engine detection, fallbacks).
     pub warnings: u64,
     /// Chunk records dropped because they did not verify.
@@ -120,6 +124,7 @@ pub(crate) struct StatsCell {
     pub(crate) evicted_bytes: AtomicU64,
     pub(crate) direct_fallbacks: AtomicU64,
     pub(crate) buffered_retries: AtomicU64,
+    pub(crate) zero_copy_ops: AtomicU64,
     pub(crate) warnings: AtomicU64,
     pub(crate) quarantined: AtomicU64,
     pub(crate) chunks_found_at_start: AtomicU64,
@@ -160,6 +165,7 @@ impl StatsCell {
             evicted_bytes: get(&self.evicted_bytes),
             direct_fallbacks: get(&self.direct_fallbacks),
             buffered_retries: get(&self.buffered_retries),
+            zero_copy_ops: get(&self.zero_copy_ops),
             warnings: get(&self.warnings),
             quarantined: get(&self.quarantined),
             chunks_found_at_start: get(&self.chunks_found_at_start),

@@ -5,8 +5,9 @@
 //! sections without I/O.
 //!
 //! Store: reserve capacity (evicting the oldest segments), copy each slot into an aligned buffer
-//! behind a header, and write the records of a batch one after another into the worker's open
-//! segment (one write per record, all in one submission). Only when a record's write completed
+//! behind a header (or, zero-copy, write a 4 KiB header buffer and the slot itself as one
+//! vectored write; see below), and write the records of a batch one after another into the
+//! worker's open segment (one write per record, all in one submission). Only when a record's write completed
 //! (and, with `Durability::Fsync`, the segment was flushed) does its chunk enter the index. A
 //! failed record is either the segment's tail (the next record takes its place) or is covered by
 //! a skip record so that later records stay reachable. A full segment is sealed once every write
@@ -18,6 +19,14 @@
 //! Host slots are only touched through [`SlotMemory`] by the worker running the job, between the
 //! job's start and the send of its completion, so the tier never touches them after the
 //! completion is polled.
+//!
+//! Zero-copy: with O_DIRECT, when the memory gives the slot a stable address
+//! ([`SlotMemory::slot_ptr`]) aligned to 4 KiB and the payload length is a multiple of 4 KiB (no
+//! padding needed), a record moves as one vectored operation, the header through a 4 KiB buffer
+//! and the payload straight from or into the slot (a [`SlotSpan`]); a load verifies the payload
+//! in the slot. Such an operation owns its slot until reaped, and `execute` reaps every one
+//! before the job's completion can be sent. Injected corruption of a store goes through a bounce
+//! buffer (a store never modifies its slot).
 //!
 //! Races between workers (an eviction deleting a segment another worker is reading through a
 //! cached descriptor) can only lose a chunk, never serve wrong bytes: every load checks the key in
@@ -40,9 +49,9 @@ use crate::config::Durability;
 use crate::direct::{create_for_write, is_einval, open_for_read, reopen_buffered_for_write, warn};
 use crate::error::{io_kind, FsErrorKind};
 use crate::fault::{Fault, FaultPlan, FaultSite, FaultState};
-use crate::format::{encode_into, file_bytes, verify, ALIGN, HEADER_BYTES};
+use crate::format::{encode_into, file_bytes, verify, verify_parts, Header, ALIGN, HEADER_BYTES};
 use crate::index::{Index, Location, SegmentId, SegmentState, Victim};
-use crate::io::{AlignedBuf, IoEngine, IoOp, OpKind};
+use crate::io::{AlignedBuf, IoEngine, IoOp, OpKind, SlotSpan};
 use crate::layout::Layout;
 use crate::segment::{open_for_repair, write_seal, write_skip};
 use crate::stats::{add, FailureKind, StatsCell};
@@ -182,6 +191,12 @@ impl BufPool {
     }
 }
 
+/// A slot's payload range that can move without a bounce buffer (see `Worker::slot_payload`).
+struct SlotSpanInfo {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
 /// A job's chunk: key, host slot, payload length.
 type Chunk = (ChunkKey, SlotId, u32);
 
@@ -219,6 +234,9 @@ struct Pending {
     retried: bool,
     /// A fault to apply when the read completes (corruption of the buffer).
     corrupt_after_read: bool,
+    /// The payload moves straight between the slot and the file (the operation's buffer holds
+    /// only the header): the operation carries a [`SlotSpan`] of the slot.
+    zero_copy: bool,
 }
 
 /// An operation ready to run, a store record whose buffer is filled just before it is
@@ -316,8 +334,17 @@ impl Worker {
         self.seal_all();
     }
 
-    /// The completion of a job whose run panicked: every key failed.
+    /// The completion of a job whose run panicked: every key failed. Operations still in flight
+    /// are reaped first, since some may move bytes into or from the job's slots.
     fn panicked(&mut self, job: &TierJob) -> TierCompletion {
+        let mut reaped = Vec::new();
+        while self.engine.in_flight() > 0 {
+            if self.engine.reap(&mut reaped, 1).is_err() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Only the memory matters here; the records are given up below.
+            reaped.clear();
+        }
         let mut failed = Failed::default();
         for &(key, _, _) in &job.chunks {
             failed.add(self.stats(), key, FailureKind::Io);
@@ -477,7 +504,13 @@ impl Worker {
             self.shared.index().release(bytes);
             return Err(kind);
         }
-        let buf = match self.pool.get(bytes as usize) {
+        let zero_copy = self.segments[at].direct && self.slot_payload(slot, len).is_some();
+        let buf_bytes = if zero_copy {
+            HEADER_BYTES
+        } else {
+            bytes as usize
+        };
+        let buf = match self.pool.get(buf_bytes) {
             Ok(buf) => buf,
             Err(e) => {
                 self.shared.index().release(bytes);
@@ -499,6 +532,7 @@ impl Worker {
             direct: seg.direct,
             retried: false,
             corrupt_after_read: false,
+            zero_copy,
         };
         Ok((pending, Ready::Fill(buf)))
     }
@@ -506,6 +540,18 @@ impl Worker {
     /// Fills a placed record's buffer (header, the slot's payload, padding) and prepares its
     /// write, with the write faults applied.
     fn fill_record(&mut self, pending: Pending, mut buf: AlignedBuf) -> (Pending, Ready) {
+        if pending.zero_copy {
+            if let Some(payload) = self.slot_payload(pending.slot, pending.len) {
+                // SAFETY: the slot belongs to this job until its completion is sent (the Tier
+                // contract: the caller neither writes nor frees it meanwhile), the range is
+                // inside it (`slot_payload`), and nothing in this worker writes it during a
+                // store; the shared slice ends before the write is submitted.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts(payload.ptr.as_ptr(), payload.len) };
+                Header::for_payload(pending.key, bytes).encode(buf.as_full_mut_slice());
+                return self.write_item(pending, buf);
+            }
+        }
         let memory = &self.memory;
         let (total, _) = encode_into(
             buf.as_full_mut_slice(),
@@ -597,18 +643,41 @@ impl Worker {
     }
 
     /// The write of a placed record, with the write faults applied.
-    fn write_item(&mut self, pending: Pending, mut buf: AlignedBuf) -> (Pending, Ready) {
+    fn write_item(&mut self, mut pending: Pending, mut buf: AlignedBuf) -> (Pending, Ready) {
         let mut len = pending.bytes as usize;
         match self
             .shared
             .fault(FaultSite::Write, pending.key, pending.direct)
         {
             Some(Fault::Short) => len = short_len(len),
+            Some(Fault::Corrupt) if pending.zero_copy => {
+                // The slot is the caller's and is never modified by a store: the corrupted
+                // record goes through a bounce buffer.
+                match self.bounce_record(&pending, &buf) {
+                    Ok(image) => {
+                        self.pool.put(std::mem::replace(&mut buf, image));
+                        pending.zero_copy = false;
+                        flip_payload_byte(buf.as_full_mut_slice(), pending.len);
+                    }
+                    Err(e) => return (pending, Ready::Injected(e, buf)),
+                }
+            }
             Some(Fault::Corrupt) => flip_payload_byte(buf.as_full_mut_slice(), pending.len),
             Some(fault) => return (pending, Ready::Injected(fault_error(fault), buf)),
             None => {}
         }
-        buf.set_len(pending.bytes as usize);
+        let span = match self.span_for(&pending, len) {
+            Ok(span) => span,
+            Err(e) => return (pending, Ready::Injected(e, buf)),
+        };
+        if span.is_some() {
+            add(&self.stats().zero_copy_ops, 1);
+        }
+        buf.set_len(if span.is_some() {
+            HEADER_BYTES
+        } else {
+            pending.bytes as usize
+        });
         let op = IoOp {
             tag: self.tag(),
             kind: OpKind::Write,
@@ -616,8 +685,59 @@ impl Worker {
             offset: pending.offset,
             len,
             buf,
+            span,
         };
         (pending, Ready::Op(op))
+    }
+
+    /// The payload of `slot` for `len` bytes, when it can move straight between the slot and an
+    /// O_DIRECT file: the memory has a stable address, and the slot's start and `len` are
+    /// multiples of [`ALIGN`] (so the record needs no padding) and `len` fits the slot.
+    fn slot_payload(&self, slot: SlotId, len: u32) -> Option<SlotSpanInfo> {
+        let len = len as usize;
+        if len == 0 || len % ALIGN != 0 || len > self.memory.slot_bytes() {
+            return None;
+        }
+        if slot.0 >= self.memory.slot_count() {
+            return None;
+        }
+        let ptr = self.memory.slot_ptr(slot)?;
+        (ptr.as_ptr() as usize % ALIGN == 0).then_some(SlotSpanInfo { ptr, len })
+    }
+
+    /// The slot span of a zero-copy operation (`None` for a bounce-buffer one), shortened by the
+    /// bytes an injected short transfer leaves out (`len` less than the record).
+    fn span_for(&self, pending: &Pending, len: usize) -> io::Result<Option<SlotSpan>> {
+        if !pending.zero_copy {
+            return Ok(None);
+        }
+        let keep = len.saturating_sub(HEADER_BYTES);
+        let Some(payload) = self.slot_payload(pending.slot, pending.len) else {
+            return Err(io::Error::other(
+                "the slot lost its stable aligned address between two operations",
+            ));
+        };
+        // SAFETY: the slot belongs to this job until its completion is sent (the Tier
+        // contract), the range is inside it (`slot_payload`), and this worker does not touch it
+        // while the operation is in flight: `execute` reaps every operation it submitted before
+        // the job completes (it keeps waiting, without a limit on errors, while zero-copy
+        // operations are out), a panicking job first drains the engine (`panicked`), and the
+        // engine, dropped before the memory (field order of `Worker`), waits for its operations.
+        Ok(Some(unsafe {
+            SlotSpan::new(payload.ptr, payload.len.min(keep))
+        }))
+    }
+
+    /// A full record image of a zero-copy record (header from `header`, payload copied from the
+    /// slot, no padding needed).
+    fn bounce_record(&mut self, pending: &Pending, header: &AlignedBuf) -> io::Result<AlignedBuf> {
+        let mut image = self.pool.get(pending.bytes as usize)?;
+        let full = image.as_full_mut_slice();
+        full[..HEADER_BYTES].copy_from_slice(&header.as_full_slice()[..HEADER_BYTES]);
+        let end = HEADER_BYTES + pending.len as usize;
+        self.memory
+            .read_slot(pending.slot, 0, &mut full[HEADER_BYTES..end]);
+        Ok(image)
     }
 
     /// Handles a record write's completion; returns the operation to retry buffered after EINVAL.
@@ -861,7 +981,13 @@ impl Worker {
             }
             Err(e) => return Err(self.open_failed(&location, &e)),
         };
-        let buf = self.pool.get(bytes as usize).map_err(|e| failure_of(&e))?;
+        let zero_copy = direct && self.slot_payload(slot, len).is_some();
+        let buf_bytes = if zero_copy {
+            HEADER_BYTES
+        } else {
+            bytes as usize
+        };
+        let buf = self.pool.get(buf_bytes).map_err(|e| failure_of(&e))?;
         let pending = Pending {
             key,
             slot,
@@ -874,6 +1000,7 @@ impl Worker {
             direct,
             retried: false,
             corrupt_after_read: false,
+            zero_copy,
         };
         Ok(self.read_item(pending, buf))
     }
@@ -899,6 +1026,13 @@ impl Worker {
             Some(fault) => return (pending, Ready::Injected(fault_error(fault), buf)),
             None => {}
         }
+        let span = match self.span_for(&pending, len) {
+            Ok(span) => span,
+            Err(e) => return (pending, Ready::Injected(e, buf)),
+        };
+        if span.is_some() {
+            add(&self.stats().zero_copy_ops, 1);
+        }
         buf.clear();
         let op = IoOp {
             tag: self.tag(),
@@ -907,6 +1041,7 @@ impl Worker {
             offset: pending.offset,
             len,
             buf,
+            span,
         };
         (pending, Ready::Op(op))
     }
@@ -971,6 +1106,10 @@ impl Worker {
             failed.add(self.stats(), key, FailureKind::ShortRead);
             return;
         }
+        if pending.zero_copy {
+            self.verify_in_slot(pending, buf, failed);
+            return;
+        }
         let read = &buf.as_full_slice()[..pending.bytes as usize];
         let corrupted;
         let image = if pending.corrupt_after_read {
@@ -984,6 +1123,38 @@ impl Worker {
         match verify(image, key, u64::from(pending.len)) {
             Ok(payload) => {
                 self.memory.write_slot(pending.slot, 0, payload);
+                add(&self.stats().chunks_loaded, 1);
+                add(&self.stats().bytes_loaded, u64::from(pending.len));
+            }
+            Err(e) if !e.is_corruption() => {
+                failed.add(self.stats(), key, FailureKind::LengthMismatch)
+            }
+            Err(_) => {
+                self.quarantine(key, pending.location.as_ref());
+                failed.add(self.stats(), key, FailureKind::Corrupt);
+            }
+        }
+    }
+
+    /// Verifies a record read straight into its slot (header in `buf`, payload in the slot) in
+    /// place. A record that does not verify leaves garbage in the slot, which the Tier contract
+    /// allows: a failed key is never served.
+    fn verify_in_slot(&mut self, pending: &Pending, buf: &AlignedBuf, failed: &mut Failed) {
+        let key = pending.key;
+        let Some(payload) = self.slot_payload(pending.slot, pending.len) else {
+            failed.add(self.stats(), key, FailureKind::Io);
+            return;
+        };
+        // SAFETY: the read into the slot was reaped (this runs on its completion), the slot
+        // belongs to this job until its completion is sent, and the range is inside it; this
+        // is the only reference to it while it lives.
+        let body = unsafe { std::slice::from_raw_parts_mut(payload.ptr.as_ptr(), payload.len) };
+        if pending.corrupt_after_read {
+            body[body.len() / 2] ^= 0x5A;
+        }
+        let header = &buf.as_full_slice()[..HEADER_BYTES];
+        match verify_parts(header, body, key, u64::from(pending.len)) {
+            Ok(_) => {
                 add(&self.stats().chunks_loaded, 1);
                 add(&self.stats().bytes_loaded, u64::from(pending.len));
             }
@@ -1128,7 +1299,8 @@ impl Worker {
         while reaped < submitted && self.engine.in_flight() > 0 {
             if self.engine.reap(&mut batch, 1).is_err() {
                 errors += 1;
-                if errors > REAP_ERRORS_MAX {
+                // An operation into or from a slot owns it until reaped: never give up on those.
+                if errors > REAP_ERRORS_MAX && !waiting.values().any(|p| p.zero_copy) {
                     break;
                 }
                 std::thread::sleep(Duration::from_millis(1));

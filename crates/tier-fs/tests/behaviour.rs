@@ -366,12 +366,61 @@ fn every_nth_rule_and_durable_stores(engine: EngineChoice) {
     load_and_check(&mut rig, &kept);
 }
 
+/// Full-slot chunks (4 KiB multiples) in aligned host memory move without bounce buffers, in both
+/// directions (and through bounce buffers in memory without a stable address), and the injected
+/// faults on them are still caught: a corrupted write (which goes
+/// through a bounce buffer, since a store never modifies its slot), a corrupted read (detected
+/// in the slot), a short write and a short read.
+fn zero_copy_faults_are_caught(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = vec![
+        FaultRule::on_key(FaultSite::Write, Fault::Corrupt, key(1)).times(1),
+        FaultRule::on_key(FaultSite::Write, Fault::Short, key(2)).times(1),
+        FaultRule::on_key(FaultSite::Read, Fault::Corrupt, key(3)).times(1),
+        FaultRule::on_key(FaultSite::Read, Fault::Short, key(4)).times(1),
+    ];
+    let mut rig = faulty(engine, dir.path(), rules);
+    let stats = rig.tier.stats();
+    if !stats.direct_io {
+        eprintln!(
+            "NOTE zero_copy_faults_are_caught: no O_DIRECT here; the zero-copy path is not taken"
+        );
+        return;
+    }
+    let aligned = rig.memory.slot_ptr(offload_core::SlotId(0)).is_some();
+    let chunks: Vec<_> = (1..=5).map(|n| (key(n), n as u32, FULL, 200 + n)).collect();
+    assert_eq!(rig.store(&chunks).failed, vec![key(2)]);
+    // Four zero-copy writes (key(2)'s short one included); key(1)'s corrupted one bounced.
+    let expected_ops = if aligned { 4 } else { 0 };
+    assert_eq!(rig.tier.stats().zero_copy_ops, expected_ops);
+    // key(1) was stored corrupted (and still indexed): its load must fail.
+    let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
+    let mut failed = rig.load(&loads[..1]).failed;
+    failed.extend(rig.load(&loads[2..]).failed);
+    failed.sort();
+    let mut expected = vec![key(1), key(3), key(4)];
+    expected.sort();
+    assert_eq!(failed, expected);
+    assert!(rig.slot_is(13, FULL, 205), "the good chunk's slot differs");
+    let stats = rig.tier.stats();
+    assert_eq!(stats.failures_of(FailureKind::Corrupt), 2, "{stats:?}");
+    assert_eq!(stats.failures_of(FailureKind::ShortRead), 1, "{stats:?}");
+    assert_eq!(stats.failures_of(FailureKind::ShortWrite), 1, "{stats:?}");
+    // Stored again (the faults are spent), everything loads and verifies.
+    assert!(rig.store(&chunks).is_success());
+    let before = rig.tier.stats().zero_copy_ops;
+    load_and_check(&mut rig, &chunks);
+    let expected_ops = if aligned { 5 } else { 0 };
+    assert_eq!(rig.tier.stats().zero_copy_ops, before + expected_ops);
+}
+
 macro_rules! engine_tests {
-    ($engine:expr, $($name:ident)*) => {
+    ($engine:expr, $aligned:expr, $($name:ident)*) => {
         $(
             #[test]
             fn $name() {
                 if let Some(engine) = engine_or_skip($engine, stringify!($name)) {
+                    use_aligned_memory($aligned);
                     super::$name(engine);
                 }
             }
@@ -380,10 +429,11 @@ macro_rules! engine_tests {
 }
 
 macro_rules! all_engine_tests {
-    ($engine:expr) => {
+    ($engine:expr, $aligned:expr) => {
         use super::*;
         engine_tests!(
             $engine,
+            $aligned,
             round_trip
             restart_is_warm
             stale_temp_files_are_swept
@@ -395,16 +445,26 @@ macro_rules! all_engine_tests {
             short_read_removes_the_file
             corruption_is_detected_and_quarantined
             every_nth_rule_and_durable_stores
+            zero_copy_faults_are_caught
         );
     };
 }
 
 mod sync_engine {
-    all_engine_tests!(EngineChoice::Sync);
+    all_engine_tests!(EngineChoice::Sync, false);
 }
 
 mod uring_engine {
-    all_engine_tests!(EngineChoice::Uring);
+    all_engine_tests!(EngineChoice::Uring, false);
+}
+
+/// The same tests over aligned host memory: full-slot chunks take the zero-copy path.
+mod sync_engine_aligned {
+    all_engine_tests!(EngineChoice::Sync, true);
+}
+
+mod uring_engine_aligned {
+    all_engine_tests!(EngineChoice::Uring, true);
 }
 
 /// Says loudly when the io_uring variants above did not run.

@@ -4,9 +4,14 @@
 //! Buffer ownership (after tokio-uring): an [`IoOp`] owns its [`AlignedBuf`] from `submit` until
 //! its [`IoCompletion`] is reaped, which hands the buffer back. Nothing the kernel may still write
 //! is ever freed early: an engine that is dropped with operations in flight waits for them.
+//! An operation may also carry a [`SlotSpan`], memory it does not own (a host slot) that it
+//! writes from or reads into after its buffer: whoever created the span promises (that is why
+//! [`SlotSpan::new`] is `unsafe`) that nothing else touches that memory and that it stays
+//! allocated until the operation's completion is reaped.
 
 use std::io;
 use std::os::fd::RawFd;
+use std::ptr::NonNull;
 
 pub mod buf;
 pub mod sync;
@@ -34,10 +39,63 @@ pub struct IoOp {
     pub fd: RawFd,
     /// Byte offset in the file.
     pub offset: u64,
-    /// Bytes to move (at most `buf.capacity()`; for O_DIRECT files a multiple of the alignment).
+    /// Bytes to move (at most `buf.capacity()`, plus `span.len()` with a span; for O_DIRECT
+    /// files a multiple of the alignment).
     pub len: usize,
     /// The buffer, owned by the operation while it is in flight.
     pub buf: AlignedBuf,
+    /// Memory after the buffer (a vectored operation): the first `len - span.len()` bytes move
+    /// through `buf`, the next `span.len()` through the span. `None`: only `buf`.
+    pub span: Option<SlotSpan>,
+}
+
+impl IoOp {
+    /// Bytes that move through `buf` (`len` less the span's length).
+    pub fn buf_len(&self) -> usize {
+        self.len
+            .saturating_sub(self.span.as_ref().map_or(0, SlotSpan::len))
+    }
+}
+
+/// Memory an operation moves bytes from (write) or into (read) without owning it: a host slot,
+/// for zero-copy transfers.
+#[derive(Debug)]
+pub struct SlotSpan {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the creator of a span promised (`SlotSpan::new`) that the operation carrying it has
+// exclusive use of the memory until its completion is reaped, so the thread that runs the
+// operation may use it, like a `&mut [u8]` moved there.
+unsafe impl Send for SlotSpan {}
+
+impl SlotSpan {
+    /// A span of `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr` must be valid for reads and writes of `len` bytes, and nothing else may read or
+    /// write that memory (nor free it) from the submission of the operation carrying the span
+    /// until that operation's completion is reaped (or the engine is dropped, which waits).
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize) -> SlotSpan {
+        SlotSpan { ptr, len }
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the span is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
 }
 
 /// The single completion of an [`IoOp`].

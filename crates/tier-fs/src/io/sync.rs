@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{IoCompletion, IoEngine, IoOp, OpKind};
+use super::{IoCompletion, IoEngine, IoOp, OpKind, SlotSpan};
 
 /// Most operations a [`SyncEngine`] holds at once (submitted and not yet reaped).
 pub const OPS_IN_FLIGHT_MAX: usize = 4096;
@@ -176,11 +176,13 @@ pub(crate) fn check_batch(ops: &[IoOp], ops_in_flight: usize, len_max: usize) ->
 
 fn check_op(op: &IoOp, len_max: usize) -> io::Result<()> {
     let what = op_name(op.kind);
-    if op.len > op.buf.capacity() || op.len > len_max {
+    let span_len = op.span.as_ref().map_or(0, |s| s.len());
+    if op.len < span_len || op.buf_len() > op.buf.capacity() || op.len > len_max {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!(
-                "{what} of {} bytes at offset {} (tag {}): exceeds the buffer capacity {} or the \
+                "{what} of {} bytes at offset {} (tag {}): shorter than its slot span of \
+                 {span_len} bytes, or exceeds the buffer capacity {} (plus the span) or the \
                  engine's limit {len_max}",
                 op.len,
                 op.offset,
@@ -253,19 +255,46 @@ fn run(op: IoOp) -> IoCompletion {
         offset,
         len,
         mut buf,
+        span,
     } = op;
     // Checked by `check_op` before the op was queued.
     let offset = libc::off_t::try_from(offset).unwrap_or(libc::off_t::MAX);
-    debug_assert!(len <= buf.capacity());
+    let buf_len = len - span.as_ref().map_or(0, SlotSpan::len);
+    debug_assert!(buf_len <= buf.capacity());
     let result = loop {
-        let n = match kind {
+        let n = match (kind, &span) {
+            (_, Some(span)) => {
+                let iov = [
+                    libc::iovec {
+                        iov_base: buf.as_mut_ptr().cast(),
+                        iov_len: buf_len,
+                    },
+                    libc::iovec {
+                        iov_base: span.as_ptr().cast(),
+                        iov_len: span.len(),
+                    },
+                ];
+                // SAFETY: the first vector is inside the buffer (`buf_len <= capacity()`), owned
+                // by this thread for the call; the second is the span, which its creator
+                // promised is valid and used by this operation alone until its completion is
+                // reaped (after this call). `fd` as below.
+                unsafe {
+                    if kind == OpKind::Read {
+                        libc::preadv(fd, iov.as_ptr(), 2, offset)
+                    } else {
+                        libc::pwritev(fd, iov.as_ptr(), 2, offset)
+                    }
+                }
+            }
             // SAFETY: the buffer is valid for writes of `capacity() >= len` bytes and is owned by
             // this thread for the call (the op was moved here); `fd` is the caller's to keep open
             // until the completion is reaped (an invalid fd only yields EBADF).
-            OpKind::Read => unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), len, offset) },
+            (OpKind::Read, None) => unsafe {
+                libc::pread(fd, buf.as_mut_ptr().cast(), len, offset)
+            },
             // SAFETY: the buffer is valid for reads of `capacity() >= len` initialized bytes and
             // is owned by this thread for the call; `fd` as above.
-            OpKind::Write => unsafe { libc::pwrite(fd, buf.as_ptr().cast(), len, offset) },
+            (OpKind::Write, None) => unsafe { libc::pwrite(fd, buf.as_ptr().cast(), len, offset) },
         };
         match usize::try_from(n) {
             Ok(n) => break Ok(n),
@@ -278,7 +307,7 @@ fn run(op: IoOp) -> IoCompletion {
         }
     };
     if kind == OpKind::Read {
-        buf.set_len(*result.as_ref().unwrap_or(&0));
+        buf.set_len((*result.as_ref().unwrap_or(&0)).min(buf_len));
     }
     IoCompletion { tag, result, buf }
 }
@@ -307,6 +336,7 @@ mod tests {
             offset: 12_288,
             len: 4097,
             buf: AlignedBuf::with_capacity(4096),
+            span: None,
         };
         let message = check_op(&op, usize::MAX).unwrap_err().to_string();
         assert!(message.contains("write"), "{message}");
@@ -331,6 +361,7 @@ mod tests {
             offset: 4096,
             len: 4096,
             buf,
+            span: None,
         };
         let completion = unqueued(op, "workers gone");
         assert_eq!(completion.tag, 9);

@@ -14,6 +14,14 @@ use io_uring::{cqueue, opcode, squeue, types, IoUring, Probe};
 use super::sync::{check_batch, op_name};
 use super::{IoCompletion, IoEngine, IoOp, OpKind};
 
+/// The two vectors of an operation with a slot span (its buffer, then the span), boxed so that
+/// their address stays put while the kernel may read them.
+struct IoVecs([libc::iovec; 2]);
+
+// SAFETY: the vectors only point into the operation's own buffer and span, which the operation
+// (and so the engine holding it) may use from any thread; they are never dereferenced here.
+unsafe impl Send for IoVecs {}
+
 /// `user_data` of the probe's NOP.
 const PROBE_USER_DATA: u64 = 0x6b76_7469_6572; // "kvtier"
 
@@ -28,6 +36,9 @@ pub struct UringEngine {
     ring: IoUring,
     /// In-flight operations; the index is the entry's `user_data`.
     slots: Vec<Option<IoOp>>,
+    /// The vectors of the vectored operations in `slots`, same index (kept until the
+    /// completion is reaped).
+    iovs: Vec<Option<Box<IoVecs>>>,
     /// Free indices of `slots`.
     free: Vec<usize>,
     /// Accepted operations not yet pushed to the submission queue.
@@ -54,6 +65,7 @@ impl UringEngine {
         Ok(UringEngine {
             ring,
             slots: Vec::new(),
+            iovs: Vec::new(),
             free: Vec::new(),
             pending: VecDeque::new(),
             in_kernel: 0,
@@ -76,7 +88,12 @@ impl UringEngine {
         ring.submitter().register_probe(&mut probe).map_err(|err| {
             format!("io_uring opcode probe failed: {err} (kernel older than 5.6)")
         })?;
-        for (code, name) in [(opcode::Read::CODE, "READ"), (opcode::Write::CODE, "WRITE")] {
+        for (code, name) in [
+            (opcode::Read::CODE, "READ"),
+            (opcode::Write::CODE, "WRITE"),
+            (opcode::Readv::CODE, "READV"),
+            (opcode::Writev::CODE, "WRITEV"),
+        ] {
             if !probe.is_supported(code) {
                 return Err(format!("io_uring does not support IORING_OP_{name}"));
             }
@@ -119,6 +136,7 @@ impl UringEngine {
             return index;
         }
         self.slots.push(Some(op));
+        self.iovs.push(None);
         self.slots.len() - 1
     }
 
@@ -134,9 +152,12 @@ impl UringEngine {
             let Some(op) = self.slots.get_mut(index).and_then(Option::as_mut) else {
                 broken_invariant(&format!("pending operation {index} has no slot"));
             };
-            let entry = sqe_for(op, index);
-            // SAFETY: the entry points into `op.buf` for `op.len <= capacity` bytes (checked at
-            // submit). Once pushed, the op (and so its heap buffer) stays in `slots[index]` until
+            let entry = sqe_for(op, index, &mut self.iovs[index]);
+            // SAFETY: the entry points into `op.buf` for `op.buf_len() <= capacity` bytes
+            // (checked at submit), or, for an op with a slot span, to the boxed vectors in
+            // `iovs[index]` (the buffer's first `buf_len()` bytes, then the span, whose creator
+            // promised it to the op until its completion is reaped); the box is only dropped
+            // when that completion is reaped or the engine is dropped after waiting. Once pushed, the op (and so its heap buffer) stays in `slots[index]` until
             // the entry's completion is reaped: only `take_slot`, called for that completion,
             // takes it out, and `Drop` waits for every pushed entry's completion (or leaks the
             // buffers). Moving or growing the slab moves only the AlignedBuf handle, never the
@@ -177,6 +198,7 @@ impl UringEngine {
         let mut reaped = 0;
         for cqe in self.ring.completion() {
             let op = take_slot(&mut self.slots, &cqe);
+            self.iovs[slot_index(&cqe)] = None;
             self.free.push(slot_index(&cqe));
             self.in_kernel -= 1;
             self.ops_in_flight -= 1;
@@ -260,11 +282,30 @@ impl Drop for UringEngine {
     }
 }
 
-/// The submission queue entry for `op`, tagged with its slab index.
-fn sqe_for(op: &mut IoOp, index: usize) -> squeue::Entry {
+/// The submission queue entry for `op`, tagged with its slab index; a vectored op's vectors are
+/// put into `iov` (which must stay until the completion is reaped).
+fn sqe_for(op: &mut IoOp, index: usize, iov: &mut Option<Box<IoVecs>>) -> squeue::Entry {
     let fd = types::Fd(op.fd);
     // Fits: checked against u32::MAX at submit.
     let len = u32::try_from(op.len).unwrap_or(u32::MAX);
+    if let Some(span) = &op.span {
+        let vectors = iov.insert(Box::new(IoVecs([
+            libc::iovec {
+                iov_base: op.buf.as_mut_ptr().cast(),
+                iov_len: op.buf_len(),
+            },
+            libc::iovec {
+                iov_base: span.as_ptr().cast(),
+                iov_len: span.len(),
+            },
+        ])));
+        let at = vectors.0.as_ptr();
+        let entry = match op.kind {
+            OpKind::Read => opcode::Readv::new(fd, at, 2).offset(op.offset).build(),
+            OpKind::Write => opcode::Writev::new(fd, at, 2).offset(op.offset).build(),
+        };
+        return entry.user_data(index as u64);
+    }
     let entry = match op.kind {
         OpKind::Read => opcode::Read::new(fd, op.buf.as_mut_ptr(), len)
             .offset(op.offset)
@@ -300,6 +341,7 @@ fn complete(op: IoOp, result: i32) -> IoCompletion {
         kind,
         len,
         mut buf,
+        span,
         ..
     } = op;
     let result = match usize::try_from(result) {
@@ -311,7 +353,8 @@ fn complete(op: IoOp, result: i32) -> IoCompletion {
         Err(_) => Err(io::Error::from_raw_os_error(-result)),
     };
     if kind == OpKind::Read {
-        buf.set_len(*result.as_ref().unwrap_or(&0));
+        let buf_len = len - span.as_ref().map_or(0, super::SlotSpan::len);
+        buf.set_len((*result.as_ref().unwrap_or(&0)).min(buf_len));
     }
     IoCompletion { tag, result, buf }
 }
@@ -365,6 +408,7 @@ mod tests {
             offset: 0,
             len: 4096,
             buf: crate::io::AlignedBuf::with_capacity(4096),
+            span: None,
         };
         let read = complete(op(OpKind::Read), 100);
         assert_eq!(read.tag, 7);

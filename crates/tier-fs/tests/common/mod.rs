@@ -11,8 +11,9 @@ use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, 
 use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
 use tempfile::TempDir;
 use tier_fs::io::uring::UringEngine;
+use tier_fs::io::AlignedBuf;
 use tier_fs::{EngineChoice, FsTier, FsTierConfig, NamespaceId};
-use tier_testkit::{pattern, VecSlotMemory};
+use tier_testkit::{fill_slot, first_mismatch, pattern, VecSlotMemory};
 
 /// How long any wait in these tests may take.
 pub const DEADLINE: Duration = Duration::from_secs(20);
@@ -58,18 +59,105 @@ pub fn config(root: &Path, engine: EngineChoice) -> FsTierConfig {
     }
 }
 
+/// A host pool with a stable, 4 KiB-aligned address per slot (like the engine-facing pool), so
+/// that the tier moves aligned payloads straight between slots and files.
+pub struct AlignedSlotMemory {
+    /// Owns the allocation `base` points into.
+    _bytes: AlignedBuf,
+    base: std::ptr::NonNull<u8>,
+    slot_count: u32,
+    slot_bytes: usize,
+}
+
+// SAFETY: slots are only reached through `base` for ranges inside one slot, and the Tier
+// contract gives a slot to one job (or one test step) at a time.
+unsafe impl Send for AlignedSlotMemory {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for AlignedSlotMemory {}
+
+impl AlignedSlotMemory {
+    /// `slot_count` slots of `slot_bytes` (a multiple of 4096), zeroed.
+    pub fn new(slot_count: u32, slot_bytes: usize) -> Self {
+        assert_eq!(
+            slot_bytes % 4096,
+            0,
+            "aligned slots need a multiple of 4096"
+        );
+        let mut bytes = AlignedBuf::with_capacity(slot_bytes * slot_count as usize);
+        let base = std::ptr::NonNull::new(bytes.as_mut_ptr()).expect("allocation");
+        Self {
+            _bytes: bytes,
+            base,
+            slot_count,
+            slot_bytes,
+        }
+    }
+
+    fn at(&self, slot: SlotId, offset: usize, len: usize) -> *mut u8 {
+        assert!(slot.0 < self.slot_count && offset + len <= self.slot_bytes);
+        // SAFETY: inside the allocation (checked above).
+        unsafe {
+            self.base
+                .as_ptr()
+                .add(slot.0 as usize * self.slot_bytes + offset)
+        }
+    }
+}
+
+impl SlotMemory for AlignedSlotMemory {
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn slot_count(&self) -> u32 {
+        self.slot_count
+    }
+
+    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
+        let src = self.at(slot, offset, dst.len());
+        // SAFETY: inside the pool (checked by `at`); the slot's user owns it.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
+        let dst = self.at(slot, offset, src.len());
+        // SAFETY: as in `read_slot`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+    }
+
+    fn slot_ptr(&self, slot: SlotId) -> Option<std::ptr::NonNull<u8>> {
+        std::ptr::NonNull::new(self.at(slot, 0, 0))
+    }
+}
+
+thread_local! {
+    /// Whether `Rig::start` on this thread uses an [`AlignedSlotMemory`] (zero-copy transfers)
+    /// instead of a [`VecSlotMemory`] (bounce buffers). Each test runs on its own thread.
+    static ALIGNED_MEMORY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Makes the rigs this thread starts from now on use aligned host memory (or not).
+pub fn use_aligned_memory(aligned: bool) {
+    ALIGNED_MEMORY.with(|cell| cell.set(aligned));
+}
+
 /// A tier with its host pool, driven with deadlines.
 pub struct Rig {
     pub tier: FsTier,
-    pub memory: Arc<VecSlotMemory>,
+    pub memory: Arc<dyn SlotMemory>,
     next_job: u64,
 }
 
 impl Rig {
-    /// Starts a tier over a fresh host pool; panics if it does not start.
+    /// Starts a tier over a fresh host pool (aligned if [`use_aligned_memory`] said so on this
+    /// thread); panics if it does not start.
     pub fn start(config: FsTierConfig) -> Rig {
-        let memory = Arc::new(VecSlotMemory::new(SLOT_COUNT, SLOT_BYTES));
-        let tier = FsTier::start(config, memory.clone() as Arc<dyn SlotMemory>)
+        let memory: Arc<dyn SlotMemory> = if ALIGNED_MEMORY.with(|cell| cell.get()) {
+            Arc::new(AlignedSlotMemory::new(SLOT_COUNT, SLOT_BYTES))
+        } else {
+            Arc::new(VecSlotMemory::new(SLOT_COUNT, SLOT_BYTES))
+        };
+        let tier = FsTier::start(config, Arc::clone(&memory))
             .unwrap_or_else(|e| panic!("tier did not start: {e}"));
         Rig {
             tier,
@@ -127,7 +215,7 @@ impl Rig {
     pub fn store(&mut self, chunks: &[(ChunkKey, u32, u32, u64)]) -> TierCompletion {
         let mut list = Vec::new();
         for &(key, slot, len, seed) in chunks {
-            self.memory.fill(SlotId(slot), len as usize, seed);
+            fill_slot(&*self.memory, SlotId(slot), len as usize, seed);
             list.push((key, SlotId(slot), len));
         }
         let job = self.job(TierOp::Store, list);
@@ -138,8 +226,12 @@ impl Rig {
     pub fn load(&mut self, chunks: &[(ChunkKey, u32, u32)]) -> TierCompletion {
         let mut list = Vec::new();
         for &(key, slot, len) in chunks {
-            self.memory
-                .fill(SlotId(slot), SLOT_BYTES, 0xBAD0_0000 + u64::from(slot));
+            fill_slot(
+                &*self.memory,
+                SlotId(slot),
+                SLOT_BYTES,
+                0xBAD0_0000 + u64::from(slot),
+            );
             list.push((key, SlotId(slot), len));
         }
         let job = self.job(TierOp::Load, list);
@@ -148,7 +240,7 @@ impl Rig {
 
     /// Whether the first `len` bytes of `slot` are `pattern(seed, len)`.
     pub fn slot_is(&self, slot: u32, len: u32, seed: u64) -> bool {
-        self.memory.matches(SlotId(slot), len as usize, seed)
+        first_mismatch(&*self.memory, SlotId(slot), len as usize, seed).is_none()
     }
 
     /// The settled lookup answer (polling through `Retry`).
