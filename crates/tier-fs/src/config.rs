@@ -103,6 +103,13 @@ pub struct FsTierConfig {
     pub quiet: bool,
     /// Injected faults, for tests. Empty by default.
     pub faults: FaultPlan,
+    /// Loads read payloads straight into host slots (and verify them there) where a store would
+    /// write straight from them (O_DIRECT, slots with a stable 4 KiB-aligned address, payload
+    /// lengths in multiples of 4 KiB), instead of through a bounce buffer. Off by default: on the
+    /// disk measured, loads through bounce buffers were faster (1-8 MiB chunks, interleaved
+    /// runs), while stores straight from the slots were as fast as through bounce buffers with
+    /// half the CPU, so stores always take that path.
+    pub zero_copy_loads: bool,
 }
 
 impl FsTierConfig {
@@ -127,6 +134,7 @@ impl FsTierConfig {
             stale_tmp_age: Duration::from_secs(600),
             quiet: false,
             faults: FaultPlan::default(),
+            zero_copy_loads: false,
         }
     }
 

@@ -154,6 +154,7 @@ impl FsTier {
                 batch_bytes_max: config.batch_bytes_max,
                 segment_bytes: segment_bytes(&config),
                 shared_dir: config.shared_dir,
+                zero_copy_loads: config.zero_copy_loads,
             };
             let worker = Worker::new(engine, Arc::clone(&memory), Arc::clone(&shared), settings);
             let (jobs_rx, done_tx) = (jobs_rx.clone(), done_tx.clone());

@@ -22,9 +22,9 @@
 //!
 //! Zero-copy: with O_DIRECT, when the memory gives the slot a stable address
 //! ([`SlotMemory::slot_ptr`]) aligned to 4 KiB and the payload length is a multiple of 4 KiB (no
-//! padding needed), a record moves as one vectored operation, the header through a 4 KiB buffer
-//! and the payload straight from or into the slot (a [`SlotSpan`]); a load verifies the payload
-//! in the slot. Such an operation owns its slot until reaped, and `execute` reaps every one
+//! padding needed), a store's record moves as one vectored operation, the header through a 4 KiB
+//! buffer and the payload straight from the slot (a [`SlotSpan`]); so does a load's with
+//! `zero_copy_loads` (off by default), which then verifies the payload in the slot. Such an operation owns its slot until reaped, and `execute` reaps every one
 //! before the job's completion can be sent. Injected corruption of a store goes through a bounce
 //! buffer (a store never modifies its slot).
 //!
@@ -133,6 +133,8 @@ pub(crate) struct WorkerSettings {
     pub(crate) segment_bytes: u64,
     /// Other instances share the directory: only this instance's segments are modified.
     pub(crate) shared_dir: bool,
+    /// Loads may read payloads straight into slots (`FsTierConfig::zero_copy_loads`).
+    pub(crate) zero_copy_loads: bool,
 }
 
 /// The failed keys of a job, each once, in first-failure order.
@@ -981,7 +983,8 @@ impl Worker {
             }
             Err(e) => return Err(self.open_failed(&location, &e)),
         };
-        let zero_copy = direct && self.slot_payload(slot, len).is_some();
+        let zero_copy =
+            self.settings.zero_copy_loads && direct && self.slot_payload(slot, len).is_some();
         let buf_bytes = if zero_copy {
             HEADER_BYTES
         } else {

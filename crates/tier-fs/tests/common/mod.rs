@@ -50,11 +50,13 @@ pub fn engine_or_skip(engine: EngineChoice, test: &str) -> Option<EngineChoice> 
     Some(engine)
 }
 
-/// A quiet configuration over `root` with 1 GiB of capacity.
+/// A quiet configuration over `root` with 1 GiB of capacity (with zero-copy loads when this
+/// thread's rigs use aligned memory, see [`use_aligned_memory`]).
 pub fn config(root: &Path, engine: EngineChoice) -> FsTierConfig {
     FsTierConfig {
         engine,
         quiet: true,
+        zero_copy_loads: ALIGNED_MEMORY.with(|cell| cell.get()),
         ..FsTierConfig::new(root, namespace(), 1 << 30)
     }
 }
