@@ -265,9 +265,18 @@ impl Drop for UringEngine {
             match self.ring.submit_and_wait(1) {
                 Ok(_) => {}
                 Err(err) if is_retry_later(&err) => {}
-                Err(_) => {
-                    // The kernel may still write these buffers and we cannot learn when: leak
-                    // them rather than free memory in use.
+                Err(err) => {
+                    // The kernel may still write these buffers and we cannot learn when. Our own
+                    // buffers can be leaked; a zero-copy op's span is the caller's host slot,
+                    // which will be reused or freed after we return, so that is a memory-safety
+                    // break (design.md section 4): abort rather than let the kernel write into it.
+                    if self.slots.iter().flatten().any(|op| op.span.is_some()) {
+                        eprintln!(
+                            "tier-fs: io_uring_enter failed ({err}) with zero-copy operations in \
+                             the kernel; aborting, since their host slots cannot be handed back"
+                        );
+                        std::process::abort();
+                    }
                     for op in self.slots.drain(..).flatten() {
                         std::mem::forget(op);
                     }
