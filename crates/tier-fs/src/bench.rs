@@ -127,8 +127,9 @@ fn bench_namespace() -> NamespaceId {
 
 /// A host pool like the engine-facing one: one page-aligned allocation, slot after slot, with a
 /// stable address (`slot_ptr`), so that the tier may move payloads straight between slots and
-/// files. Each job owns its slots while in flight (see `run_jobs`), so accesses never overlap.
-struct BenchMemory {
+/// files. Used by the benchmark and by tier-fs's tests. Whoever hands a slot to a job must not
+/// touch it until the job's completion (the `Tier` contract), so accesses never overlap.
+pub struct AlignedSlotMemory {
     bytes: std::cell::UnsafeCell<AlignedBuf>,
     base: std::ptr::NonNull<u8>,
     slot_count: u32,
@@ -136,22 +137,21 @@ struct BenchMemory {
 }
 
 // SAFETY: the allocation is only reached through `base` for ranges of one slot, and a slot is
-// used by one job at a time (the Tier contract, kept by `run_jobs`), like a pool of `&mut [u8]`.
-unsafe impl Send for BenchMemory {}
+// used by one job at a time (the Tier contract), like a pool of `&mut [u8]`.
+unsafe impl Send for AlignedSlotMemory {}
 // SAFETY: as for `Send`.
-unsafe impl Sync for BenchMemory {}
+unsafe impl Sync for AlignedSlotMemory {}
 
-impl BenchMemory {
-    fn new(slot_count: u32, slot_bytes: usize) -> Result<Self, FsError> {
+impl AlignedSlotMemory {
+    /// `slot_count` slots of `slot_bytes` rounded up to 4 KiB, zeroed.
+    pub fn new(slot_count: u32, slot_bytes: usize) -> Result<Self, FsError> {
         let slot_bytes = slot_bytes.next_multiple_of(crate::io::buf::ALIGN);
         let total = slot_bytes * slot_count as usize;
         let mut buf = AlignedBuf::try_with_capacity(total)
-            .map_err(|e| bench_error(format!("bench host pool of {total} bytes: {e}")))?;
-        for (i, b) in buf.as_full_mut_slice().iter_mut().enumerate() {
-            *b = (i as u64).wrapping_mul(31).wrapping_add(i as u64 >> 20) as u8;
-        }
+            .map_err(|e| bench_error(format!("aligned host pool of {total} bytes: {e}")))?;
+        buf.as_full_mut_slice().fill(0);
         let base = std::ptr::NonNull::new(buf.as_mut_ptr())
-            .ok_or_else(|| bench_error("bench host pool: null allocation".into()))?;
+            .ok_or_else(|| bench_error("aligned host pool: null allocation".into()))?;
         Ok(Self {
             bytes: std::cell::UnsafeCell::new(buf),
             base,
@@ -160,10 +160,23 @@ impl BenchMemory {
         })
     }
 
+    /// Fills every slot with a fixed, position-dependent pattern (the benchmark's payload).
+    fn fill_pattern(&mut self) {
+        for (i, b) in self
+            .bytes
+            .get_mut()
+            .as_full_mut_slice()
+            .iter_mut()
+            .enumerate()
+        {
+            *b = (i as u64).wrapping_mul(31).wrapping_add(i as u64 >> 20) as u8;
+        }
+    }
+
     fn at(&self, slot: SlotId, offset: usize, len: usize) -> *mut u8 {
         assert!(
             slot.0 < self.slot_count && offset + len <= self.slot_bytes,
-            "bench memory: slot {} offset {offset} len {len} outside the pool",
+            "aligned host pool: slot {} offset {offset} len {len} outside the pool",
             slot.0
         );
         // Keeps the allocation (owned by `bytes`) tied to this struct's lifetime.
@@ -177,7 +190,7 @@ impl BenchMemory {
     }
 }
 
-impl SlotMemory for BenchMemory {
+impl SlotMemory for AlignedSlotMemory {
     fn slot_bytes(&self) -> usize {
         self.slot_bytes
     }
@@ -394,7 +407,9 @@ fn tier(config: &FsBenchConfig, size: usize, count: usize) -> Result<(f64, f64, 
         .join(format!("kvtier-fs-bench-{}", std::process::id()));
     let slot_count = u32::try_from(JOBS_IN_FLIGHT_MAX * config.chunks_per_job)
         .map_err(|_| bench_error("too many chunks per job".into()))?;
-    let memory = Arc::new(BenchMemory::new(slot_count, size)?);
+    let mut memory = AlignedSlotMemory::new(slot_count, size)?;
+    memory.fill_pattern();
+    let memory = Arc::new(memory);
     let tier_config = FsTierConfig {
         engine: config.engine,
         workers: config.workers,

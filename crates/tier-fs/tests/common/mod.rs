@@ -11,7 +11,6 @@ use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, 
 use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
 use tempfile::TempDir;
 use tier_fs::io::uring::UringEngine;
-use tier_fs::io::AlignedBuf;
 use tier_fs::{EngineChoice, FsTier, FsTierConfig, NamespaceId};
 use tier_testkit::{fill_slot, first_mismatch, pattern, VecSlotMemory};
 
@@ -63,74 +62,7 @@ pub fn config(root: &Path, engine: EngineChoice) -> FsTierConfig {
 
 /// A host pool with a stable, 4 KiB-aligned address per slot (like the engine-facing pool), so
 /// that the tier moves aligned payloads straight between slots and files.
-pub struct AlignedSlotMemory {
-    /// Owns the allocation `base` points into.
-    _bytes: AlignedBuf,
-    base: std::ptr::NonNull<u8>,
-    slot_count: u32,
-    slot_bytes: usize,
-}
-
-// SAFETY: slots are only reached through `base` for ranges inside one slot, and the Tier
-// contract gives a slot to one job (or one test step) at a time.
-unsafe impl Send for AlignedSlotMemory {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for AlignedSlotMemory {}
-
-impl AlignedSlotMemory {
-    /// `slot_count` slots of `slot_bytes` (a multiple of 4096), zeroed.
-    pub fn new(slot_count: u32, slot_bytes: usize) -> Self {
-        assert_eq!(
-            slot_bytes % 4096,
-            0,
-            "aligned slots need a multiple of 4096"
-        );
-        let mut bytes = AlignedBuf::with_capacity(slot_bytes * slot_count as usize);
-        let base = std::ptr::NonNull::new(bytes.as_mut_ptr()).expect("allocation");
-        Self {
-            _bytes: bytes,
-            base,
-            slot_count,
-            slot_bytes,
-        }
-    }
-
-    fn at(&self, slot: SlotId, offset: usize, len: usize) -> *mut u8 {
-        assert!(slot.0 < self.slot_count && offset + len <= self.slot_bytes);
-        // SAFETY: inside the allocation (checked above).
-        unsafe {
-            self.base
-                .as_ptr()
-                .add(slot.0 as usize * self.slot_bytes + offset)
-        }
-    }
-}
-
-impl SlotMemory for AlignedSlotMemory {
-    fn slot_bytes(&self) -> usize {
-        self.slot_bytes
-    }
-
-    fn slot_count(&self) -> u32 {
-        self.slot_count
-    }
-
-    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
-        let src = self.at(slot, offset, dst.len());
-        // SAFETY: inside the pool (checked by `at`); the slot's user owns it.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
-    }
-
-    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
-        let dst = self.at(slot, offset, src.len());
-        // SAFETY: as in `read_slot`.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
-    }
-
-    fn slot_ptr(&self, slot: SlotId) -> Option<std::ptr::NonNull<u8>> {
-        std::ptr::NonNull::new(self.at(slot, 0, 0))
-    }
-}
+pub use tier_fs::bench::AlignedSlotMemory;
 
 thread_local! {
     /// Whether `Rig::start` on this thread uses an [`AlignedSlotMemory`] (zero-copy transfers)
@@ -155,7 +87,7 @@ impl Rig {
     /// thread); panics if it does not start.
     pub fn start(config: FsTierConfig) -> Rig {
         let memory: Arc<dyn SlotMemory> = if ALIGNED_MEMORY.with(|cell| cell.get()) {
-            Arc::new(AlignedSlotMemory::new(SLOT_COUNT, SLOT_BYTES))
+            Arc::new(AlignedSlotMemory::new(SLOT_COUNT, SLOT_BYTES).expect("aligned host pool"))
         } else {
             Arc::new(VecSlotMemory::new(SLOT_COUNT, SLOT_BYTES))
         };
