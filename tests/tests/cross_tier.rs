@@ -4,6 +4,7 @@
 //! the simulator; every tier's call log is checked against the lifecycle contract (a tier hears
 //! `on_request_finished` exactly once per request, after every job naming it).
 
+use kvtier_tests::FailingTier;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,8 +16,8 @@ use engine_sim::{
     KvHandle, ManagerCall, RequestSpec, SharedPrefix, SharedPrefixSpec, Sim, SimConfig, SimReport,
     WorkerFaults, Workload,
 };
-use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup};
-use offload_core::{ChunkKey, HostPool, JobId, Medium, RequestId, SlotMemory};
+use offload_core::tier::Tier;
+use offload_core::{HostPool, RequestId, SlotMemory};
 use tier_fs::{FsTier, FsTierConfig, NamespaceId};
 use tier_p2p::{Namespace, P2pConfig, P2pTier};
 use tier_testkit::{FakeTier, FakeTierConfig};
@@ -379,55 +380,6 @@ fn a_peer_serves_what_another_instance_stored() {
     assert!(report.tokens_loaded >= 512, "{report:?}");
 }
 
-/// Wraps a tier; once `broken` is set, every job it accepts fails all its keys (a disk that
-/// died, a peer gone), while lookups still answer as before.
-struct Breakable<T> {
-    tier: T,
-    broken: Arc<AtomicBool>,
-    failed: Vec<TierCompletion>,
-}
-
-impl<T: Tier> Tier for Breakable<T> {
-    fn name(&self) -> &str {
-        self.tier.name()
-    }
-    fn medium(&self) -> Medium {
-        self.tier.medium()
-    }
-    fn lookup(&mut self, key: ChunkKey) -> TierLookup {
-        self.tier.lookup(key)
-    }
-    fn touch(&mut self, keys: &[ChunkKey]) {
-        self.tier.touch(keys);
-    }
-    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
-        if !self.broken.load(Ordering::Relaxed) {
-            return self.tier.submit(job);
-        }
-        self.failed.push(TierCompletion {
-            id: job.id,
-            failed: job.chunks.iter().map(|c| c.0).collect(),
-        });
-        Ok(())
-    }
-    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
-        self.tier.poll(out);
-        out.append(&mut self.failed);
-    }
-    fn cancel(&mut self, id: JobId) {
-        self.tier.cancel(id);
-    }
-    fn drain(&mut self) {
-        self.tier.drain();
-    }
-    fn on_request_finished(&mut self, request: RequestId) {
-        self.tier.on_request_finished(request);
-    }
-    fn shutdown(&mut self) {
-        self.tier.shutdown();
-    }
-}
-
 #[test]
 fn a_secondary_tier_failing_mid_run_costs_recompute_only() {
     for async_scheduling in MODES {
@@ -436,11 +388,10 @@ fn a_secondary_tier_failing_mid_run_costs_recompute_only() {
         let flag = broken.clone();
         let mut sim = Sim::with_tiers(config, evicting_workload(), |memory| {
             let fake = FakeTier::new(memory, FakeTierConfig::default());
-            vec![Box::new(Breakable {
-                tier: fake,
-                broken: flag,
-                failed: Vec::new(),
-            }) as Box<dyn Tier>]
+            // Once `broken` is set, every job fails all its keys; lookups answer as before.
+            vec![Box::new(FailingTier::new(fake, move |_| {
+                flag.load(Ordering::Relaxed)
+            })) as Box<dyn Tier>]
         })
         .expect("valid setup");
         // The first request's chunks reach the tier; then it breaks.

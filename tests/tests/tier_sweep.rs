@@ -6,6 +6,7 @@
 //! and keep the tier lifecycle (each request's finish heard once, after every job naming it).
 //! `KVTIER_TIER_SEEDS=N` sweeps more seeds; `KVTIER_TIER_SEED=S` replays one.
 
+use kvtier_tests::FailingTier;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
@@ -13,8 +14,7 @@ use connector::{ManualClock, SharedTier, TierCall, TieringManager, TieringOption
 use engine_sim::host::HostMemory;
 use engine_sim::scenario::{random_scenario, ScenarioLimits};
 use engine_sim::{KvHandle, Sim};
-use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup};
-use offload_core::{ChunkKey, HostPool, JobId, Medium, RequestId};
+use offload_core::{HostPool, Medium};
 use tier_testkit::{FakeTier, FakeTierConfig};
 
 fn seeds() -> Vec<u64> {
@@ -29,54 +29,6 @@ fn seeds() -> Vec<u64> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(32);
     (1..=count).collect()
-}
-
-/// Fails every job whose id is divisible by `every` (all its keys), otherwise forwards.
-struct Flaky {
-    tier: FakeTier,
-    every: u64,
-    failed: Vec<TierCompletion>,
-}
-
-impl Tier for Flaky {
-    fn name(&self) -> &str {
-        self.tier.name()
-    }
-    fn medium(&self) -> Medium {
-        self.tier.medium()
-    }
-    fn lookup(&mut self, key: ChunkKey) -> TierLookup {
-        self.tier.lookup(key)
-    }
-    fn touch(&mut self, keys: &[ChunkKey]) {
-        self.tier.touch(keys);
-    }
-    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
-        if job.id.0 % self.every != 0 {
-            return self.tier.submit(job);
-        }
-        self.failed.push(TierCompletion {
-            id: job.id,
-            failed: job.chunks.iter().map(|c| c.0).collect(),
-        });
-        Ok(())
-    }
-    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
-        self.tier.poll(out);
-        out.append(&mut self.failed);
-    }
-    fn cancel(&mut self, id: JobId) {
-        self.tier.cancel(id);
-    }
-    fn drain(&mut self) {
-        self.tier.drain();
-    }
-    fn on_request_finished(&mut self, request: RequestId) {
-        self.tier.on_request_finished(request);
-    }
-    fn shutdown(&mut self) {
-        self.tier.shutdown();
-    }
 }
 
 fn check_tier_log(seed: u64, log: &[TierCall], requests: usize) {
@@ -119,17 +71,20 @@ fn random_scenarios_on_slow_busy_and_flaky_tiers() {
             1 << 20,
         );
         let flaky = SharedTier::new(
-            Flaky {
-                tier: FakeTier::new(
-                    host.slot_memory(),
-                    FakeTierConfig {
-                        name: "flaky".to_owned(),
-                        medium: Medium::Peer,
-                        ..FakeTierConfig::default()
-                    },
-                ),
-                every: 2 + seed % 4,
-                failed: Vec::new(),
+            // Fails every job whose id is divisible by `every` (all its keys).
+            {
+                let every = 2 + seed % 4;
+                FailingTier::new(
+                    FakeTier::new(
+                        host.slot_memory(),
+                        FakeTierConfig {
+                            name: "flaky".to_owned(),
+                            medium: Medium::Peer,
+                            ..FakeTierConfig::default()
+                        },
+                    ),
+                    move |job| job.id.0 % every == 0,
+                )
             },
             1 << 20,
         );
@@ -179,7 +134,7 @@ fn random_scenarios_on_slow_busy_and_flaky_tiers() {
             violations.is_empty(),
             "seed {seed}: {violations:?}; {replay}"
         );
-        let violations = flaky.with(|t| t.tier.violations().to_vec());
+        let violations = flaky.with(|t| t.inner().violations().to_vec());
         assert!(
             violations.is_empty(),
             "seed {seed}: {violations:?}; {replay}"
