@@ -672,24 +672,33 @@ impl Worker {
             Ok(span) => span,
             Err(e) => return (pending, Ready::Injected(e, buf)),
         };
-        if span.is_some() {
-            add(&self.stats().zero_copy_ops, 1);
-        }
         buf.set_len(if span.is_some() {
             HEADER_BYTES
         } else {
             pending.bytes as usize
         });
-        let op = IoOp {
+        let op = self.op_for(OpKind::Write, &pending, len, buf, span);
+        (pending, Ready::Op(op))
+    }
+
+    /// The operation of `kind` on `pending`'s record: `len` bytes through `buf`, then `span`.
+    fn op_for(
+        &mut self,
+        kind: OpKind,
+        pending: &Pending,
+        len: usize,
+        buf: AlignedBuf,
+        span: Option<SlotSpan>,
+    ) -> IoOp {
+        IoOp {
             tag: self.tag(),
-            kind: OpKind::Write,
+            kind,
             fd: std::os::fd::AsRawFd::as_raw_fd(&*pending.file),
             offset: pending.offset,
             len,
             buf,
             span,
-        };
-        (pending, Ready::Op(op))
+        }
     }
 
     /// The payload of `slot` for `len` bytes, when it can move straight between the slot and an
@@ -719,6 +728,7 @@ impl Worker {
                 "the slot lost its stable aligned address between two operations",
             ));
         };
+        add(&self.stats().zero_copy_ops, 1);
         // SAFETY: the slot belongs to this job until its completion is sent (the Tier
         // contract), the range is inside it (`slot_payload`), and this worker does not touch it
         // while the operation is in flight: `execute` reaps every operation it submitted before
@@ -1033,19 +1043,8 @@ impl Worker {
             Ok(span) => span,
             Err(e) => return (pending, Ready::Injected(e, buf)),
         };
-        if span.is_some() {
-            add(&self.stats().zero_copy_ops, 1);
-        }
         buf.clear();
-        let op = IoOp {
-            tag: self.tag(),
-            kind: OpKind::Read,
-            fd: std::os::fd::AsRawFd::as_raw_fd(&*pending.file),
-            offset: pending.offset,
-            len,
-            buf,
-            span,
-        };
+        let op = self.op_for(OpKind::Read, &pending, len, buf, span);
         (pending, Ready::Op(op))
     }
 
