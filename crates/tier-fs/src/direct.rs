@@ -1,5 +1,6 @@
-//! Opening segment files with or without O_DIRECT, the start-up probe that decides whether a root
-//! directory takes O_DIRECT, and the one-line warnings the tier prints.
+//! Opening segment files with or without O_DIRECT, allocating their blocks ahead of the writes,
+//! the start-up probe that decides whether a root directory takes O_DIRECT, and the one-line
+//! warnings the tier prints.
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -119,6 +120,31 @@ fn probe_at(path: &Path) -> Result<Result<(), String>, FsError> {
         )));
     }
     Ok(Ok(()))
+}
+
+/// Allocates `len` bytes of `file` at `offset` and extends its size to cover them
+/// (`fallocate` mode 0; the new range reads as zeros).
+pub(crate) fn allocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (Ok(offset), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::Error::from_raw_os_error(libc::EFBIG));
+    };
+    loop {
+        // SAFETY: plain syscall on a descriptor this `File` owns; no memory is passed.
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.kind() != io::ErrorKind::Interrupted {
+            return Err(error);
+        }
+    }
+}
+
+/// Whether `error` says the file system cannot `fallocate` at all.
+pub(crate) fn is_unsupported(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS))
 }
 
 #[cfg(test)]

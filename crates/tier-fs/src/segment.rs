@@ -196,4 +196,27 @@ mod tests {
         let tail = walk(&file, a.len() as u64, recovered.end, false).unwrap();
         assert!(tail.chunks.is_empty() && tail.sealed);
     }
+
+    #[test]
+    fn recovery_cuts_a_preallocated_tail_of_zeros() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.seg");
+        let a = record(ChunkKey::new(1, 0), 8192);
+        let b = record(ChunkKey::new(2, 0), 4096);
+        let mut image = a.clone();
+        image.extend_from_slice(&b);
+        std::fs::write(&path, &image).unwrap();
+        // A writer killed after allocating its next batch: the file goes on in zeros.
+        let file = open_for_repair(&path).unwrap();
+        let good = image.len() as u64;
+        crate::direct::allocate(&file, good, 3 * 4096 + 1_048_576).unwrap();
+        assert!(file.metadata().unwrap().len() > good);
+        drop(file);
+        let recovered = recover(&path).unwrap();
+        assert_eq!(recovered.chunks.len(), 2);
+        assert_eq!(recovered.torn, 0);
+        assert!(recovered.sealed);
+        assert_eq!(recovered.end, good + HEADER_BYTES as u64);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), recovered.end);
+    }
 }

@@ -6,8 +6,9 @@
 //!
 //! Store: reserve capacity (evicting the oldest segments), copy each slot into an aligned buffer
 //! behind a header (or, zero-copy, write a 4 KiB header buffer and the slot itself as one
-//! vectored write; see below), and write the records of a batch one after another into the
-//! worker's open segment (one write per record, all in one submission). Only when a record's write completed
+//! vectored write; see below), allocate the batch's range of the worker's open segment
+//! (`fallocate`, so that the writes run concurrently), and write the records of the batch one
+//! after another into it (one write per record, all in one submission). Only when a record's write completed
 //! (and, with `Durability::Fsync`, the segment was flushed) does its chunk enter the index. A
 //! failed record is either the segment's tail (the next record takes its place) or is covered by
 //! a skip record so that later records stay reachable. A full segment is sealed once every write
@@ -213,6 +214,9 @@ struct OpenSegment {
     direct: bool,
     /// Where the next record goes (the end of the records written or in flight).
     cursor: u64,
+    /// The file's blocks are allocated (and its size set) up to here, so that writes below it
+    /// neither extend the file nor fill holes (see `Worker::preallocate`).
+    allocated: u64,
     /// Takes no further record (full, or a write into it failed); sealed after the batch.
     closed: bool,
 }
@@ -285,6 +289,8 @@ pub(crate) struct Worker {
     written: Vec<Written>,
     /// Read descriptors by segment, with whether they use O_DIRECT.
     readers: HashMap<SegmentId, (Arc<File>, bool)>,
+    /// Store batches preallocate their range (until the file system says it cannot).
+    preallocate: bool,
 }
 
 fn failure_of(error: &io::Error) -> FailureKind {
@@ -301,6 +307,7 @@ impl Worker {
         shared: Arc<Shared>,
         settings: WorkerSettings,
     ) -> Self {
+        let preallocate = !settings.shared_dir;
         let pool = BufPool {
             free: Vec::new(),
             bytes: 0,
@@ -316,6 +323,7 @@ impl Worker {
             segments: Vec::new(),
             written: Vec::new(),
             readers: HashMap::new(),
+            preallocate,
         }
     }
 
@@ -454,8 +462,38 @@ impl Worker {
                 Err(kind) => failed.add(self.stats(), key, kind),
             }
         }
+        self.preallocate();
         self.run_to_completion(items, Self::store_done, failed);
         self.finish_batch(failed);
+    }
+
+    /// Allocates each open segment's blocks up to its cursor (`fallocate`, which also sets the
+    /// file size) before the batch's writes go out. Appending O_DIRECT writes that extend a file
+    /// or fill a hole take the inode's lock exclusively (ext4, xfs), so the kernel runs them one
+    /// at a time, and io_uring hands them to blocking worker threads; writes into allocated
+    /// blocks below the file size run concurrently and asynchronously. Best effort: where it
+    /// fails (a file system without `fallocate`, no space), the writes go out as they are and
+    /// meet the same condition themselves. Not in a shared directory: there another instance's
+    /// probe reads segments while they are appended, and a record inside the file size could be
+    /// seen with its header written before its payload.
+    fn preallocate(&mut self) {
+        if !self.preallocate {
+            return;
+        }
+        for seg in self.segments.iter_mut().filter(|s| s.allocated < s.cursor) {
+            let (offset, len) = (seg.allocated, seg.cursor - seg.allocated);
+            match crate::direct::allocate(&seg.file, offset, len) {
+                Ok(()) => {
+                    seg.allocated = seg.cursor;
+                    add(&self.shared.stats.bytes_preallocated, len);
+                }
+                Err(e) if crate::direct::is_unsupported(&e) => {
+                    self.preallocate = false;
+                    return;
+                }
+                Err(_) => {}
+            }
+        }
     }
 
     /// Deletes (or forgets) evicted segments.
@@ -625,6 +663,7 @@ impl Worker {
             file: Arc::new(file),
             direct,
             cursor: 0,
+            allocated: 0,
             closed: false,
         });
         Ok(())
@@ -872,6 +911,7 @@ impl Worker {
             // The failed tail is given back: the next record (or the seal) goes there.
             let seg = &mut self.segments[at];
             seg.cursor = offset;
+            seg.allocated = seg.allocated.min(offset);
             let _ = seg.file.set_len(offset);
         }
     }

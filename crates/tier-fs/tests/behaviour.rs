@@ -69,6 +69,8 @@ fn round_trip(engine: EngineChoice) {
     assert!(files_with_suffix(root, ".tmp").is_empty());
     assert_eq!(chunk_file_bytes(root), rig.tier.used_bytes());
     assert_eq!(chunk_file_bytes(root) % 4096, 0);
+    // The batch's range was allocated before its writes went out: exactly the records.
+    assert_eq!(rig.tier.stats().bytes_preallocated, chunk_file_bytes(root));
     // A second store of the same keys is not rewritten.
     let done = rig.store(&chunks);
     assert!(done.is_success());
@@ -514,4 +516,7 @@ fn shared_directory_probe_finds_chunks_of_another_instance() {
     drop(reader);
     assert!(writer.store(&[(key(3), 2, FULL, 9)]).is_success());
     load_and_check(&mut writer, &[(key(3), 2, FULL, 9), chunks[0], chunks[1]]);
+    // A segment that other instances read while it grows is never preallocated (a probe could
+    // see a record's header before its payload).
+    assert_eq!(writer.tier.stats().bytes_preallocated, 0);
 }
