@@ -2,14 +2,18 @@
 //! (what `kvtier bench fs` and the `fs_bench` example run).
 //!
 //! For each chunk size: raw O_DIRECT sequential writes then reads of one fresh file in the
-//! target directory, once at queue depth 1 (one chunk-sized `pwrite`/`pread` at a time) and once
-//! at the queue depth the tier runs (`workers * chunks_per_job` threads taking the next chunk);
-//! the better of the two is the ceiling, so the tier is never flattered. Then the tier stores the
-//! same number of chunks (jobs of `chunks_per_job`, as many jobs in flight as it takes) into an
-//! empty namespace in the same directory and loads them all back (every load verified). The three
-//! passes are repeated `repeats` times, interleaved (each round starts with another of them), and
-//! each side keeps its best (the ceiling has twice the tier's samples), because a shared disk's
-//! bandwidth drifts by tens of percent within a minute. Each row is the tier's GiB/s with the ceiling's.
+//! target directory, once at queue depth 1 (one chunk-sized `pwrite`/`pread` at a time, the
+//! writes appending) and once at the queue depth the tier runs (`workers * chunks_per_job`
+//! threads taking the next chunk, into a file preallocated like the tier's segments, since
+//! concurrent appends to one file are serialized by the file system); the better of the two is
+//! the ceiling, so the tier is never flattered. Then the tier stores the same number of chunks
+//! (jobs of `chunks_per_job`, as many jobs in flight as it takes) into an empty namespace in the
+//! same directory and loads them all back (every load verified). The three passes are repeated
+//! `repeats` times, interleaved (each round starts with another of them), and each side keeps
+//! its best (the ceiling has twice the tier's samples), because a shared disk's bandwidth drifts
+//! by tens of percent within a minute. A virtual disk may also serve a burst after an idle
+//! spell, so an untimed raw pass runs first, and every pass is preceded by the same pause. Each
+//! row is the tier's GiB/s with the ceiling's.
 
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -294,8 +298,8 @@ fn raw_pass(
     Ok(start.elapsed())
 }
 
-/// Raw O_DIRECT sequential write of a fresh file then read of it, at `threads` chunks in flight;
-/// returns (write, read) GiB/s.
+/// Raw O_DIRECT sequential write of a fresh file then read of it, at `threads` chunks in flight
+/// (with more than one, into a preallocated file); returns (write, read) GiB/s.
 fn raw(
     config: &FsBenchConfig,
     size: usize,
@@ -316,6 +320,10 @@ fn raw(
     let file = Arc::new(file);
     let bytes = (size * count) as u64;
     let measured = (|| {
+        if threads > 1 {
+            crate::direct::allocate(&file, 0, bytes)
+                .map_err(|e| FsError::io("fallocate", &path, 0, e))?;
+        }
         let write = raw_pass(&file, &path, size, count, threads, true)?;
         let read = raw_pass(&file, &path, size, count, threads, false)?;
         Ok((gib_per_s(bytes, write), gib_per_s(bytes, read)))
@@ -452,6 +460,19 @@ fn tier(config: &FsBenchConfig, size: usize, count: usize) -> Result<(f64, f64, 
     Ok(measured)
 }
 
+/// The middle value (the upper one of an even count); 0 for none.
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Chunks of `size` moved per pass.
+fn chunk_count(config: &FsBenchConfig, size: usize) -> usize {
+    usize::try_from(config.total_bytes / size as u64)
+        .unwrap_or(usize::MAX)
+        .max(CHUNKS_MIN)
+}
+
 /// Runs the benchmark; `progress` gets one line per measurement. Returns one `store` and one
 /// `load` row per chunk size, each with the better raw O_DIRECT number of the same run as its
 /// ceiling.
@@ -470,12 +491,16 @@ pub fn run(
         config.chunks_per_job,
         config.workers
     ));
+    // Drains a burst the disk may hold after an idle spell, which would flatter whichever pass
+    // came first.
+    let first = config.chunk_sizes[0];
+    raw(config, first, chunk_count(config, first), 1)?;
     let mut rows = Vec::new();
     for &size in &config.chunk_sizes {
-        let count = usize::try_from(config.total_bytes / size as u64)
-            .unwrap_or(usize::MAX)
-            .max(CHUNKS_MIN);
+        let count = chunk_count(config, size);
         let mut best = [0f64; 6];
+        // Each round's store and load ratio against that round's raw ceiling.
+        let (mut store_ratios, mut load_ratios) = (Vec::new(), Vec::new());
         for round in 0..config.repeats {
             // The pass that runs first after a pause may get a burst from the disk: each pass
             // takes its turn at going first.
@@ -503,16 +528,21 @@ pub fn run(
             {
                 *slot = slot.max(value);
             }
+            store_ratios.push(store / write_1.max(write_n));
+            load_ratios.push(load / read_1.max(read_n));
         }
         let [write_1, write_n, store, read_1, read_n, load] = best;
         let (write_ceiling, read_ceiling) = (write_1.max(write_n), read_1.max(read_n));
         progress(&format!(
             "{:>6} KiB best of {}: store {store:.2} / ceiling {write_ceiling:.2} = {:.2}x | load \
-             {load:.2} / ceiling {read_ceiling:.2} = {:.2}x",
+             {load:.2} / ceiling {read_ceiling:.2} = {:.2}x (median of the rounds' own ratios: \
+             store {:.2}x, load {:.2}x)",
             size / KIB,
             config.repeats,
             store / write_ceiling,
-            load / read_ceiling
+            load / read_ceiling,
+            median(&mut store_ratios),
+            median(&mut load_ratios)
         ));
         for (op, gib, ceiling) in [
             ("store", store, write_ceiling),
