@@ -24,7 +24,7 @@ use crate::stats::{add, PeerStatus};
 use crate::worker::{copy_local, Control, Work};
 
 /// Bytes of a payload received before they are hashed (small enough to stay in cache).
-const HASH_PIECE_BYTES: usize = 256 * 1024;
+pub(crate) const HASH_PIECE_BYTES: usize = 256 * 1024;
 /// Bytes read at a time when a payload is discarded.
 const DISCARD_PIECE_BYTES: usize = 1 << 20;
 
