@@ -8,14 +8,14 @@
 //! behind a header (or, zero-copy, write a 4 KiB header buffer and the slot itself as one
 //! vectored write; see below), allocate the batch's range of the worker's open segment
 //! (`fallocate`, so that the writes run concurrently), and write the records of the batch one
-//! after another into it (one write per record, all in one submission). Only when a record's write completed
-//! (and, with `Durability::Fsync`, the segment was flushed) does its chunk enter the index. A
-//! failed record is either the segment's tail (the next record takes its place) or is covered by
-//! a skip record so that later records stay reachable. A full segment is sealed once every write
-//! into it completed, and a new one is created. Load: read each record into an aligned buffer
-//! through a cached descriptor of its segment, verify header and checksum, and only then copy the
-//! payload into the slot; a record that does not verify leaves the index (and, in a segment this
-//! instance may modify, is covered by a skip record).
+//! after another into it (one write per record, all in one submission). Only when a record's
+//! write completed (and, with `Durability::Fsync`, the segment was flushed) does its chunk enter
+//! the index. A failed record is either the segment's tail (the next record takes its place) or
+//! is covered by a skip record so that later records stay reachable. A full segment is sealed
+//! once every write into it completed, and a new one is created. Load: read each record into an
+//! aligned buffer through a cached descriptor of its segment, verify header and checksum, and
+//! only then copy the payload into the slot; a record that does not verify leaves the index
+//! (and, in a segment this instance may modify, is covered by a skip record).
 //!
 //! Host slots are only touched through [`SlotMemory`] by the worker running the job, between the
 //! job's start and the send of its completion, so the tier never touches them after the
