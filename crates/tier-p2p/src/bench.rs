@@ -3,18 +3,19 @@
 //! For each chunk size the ceiling is a raw loopback TCP stream that moves the same bytes between
 //! the same kind of memory as the tier: one connection, one chunk-sized `write` at a time, each
 //! from a distinct source chunk (the pass's whole footprint, like the publisher's published
-//! chunks) behind as many framing bytes as a DATA frame has, read into a ring of `slot_count` chunk-sized buffers (like the fetcher's host slots)
-//! in reads of the fetcher's size. So the ratio measures what the protocol costs (framing,
-//! requests, checksums), not where the bytes sit. Each raw stream keeps its connection for all
-//! rounds and is warmed by an untimed pass, as the fetcher's is. A raw stream that rewrites one
-//! cache-resident buffer is also measured and shown on the progress line, but it is not the
-//! ceiling: no fetch moves its bytes out of cache. The path is two [`P2pTier`] instances in this
-//! process, where A publishes the chunks and B loads them over loopback (one connection, jobs of
-//! several chunks, two jobs in flight, every chunk received straight into
-//! B's slots and verified by checksum). Rounds alternate raw and tier so that drift in the
-//! machine hits both alike; the best round of each is reported. With the `nixl` feature and
-//! `nixl` set, a second fetching instance moves the same chunks by NIXL READ (row op
-//! `"fetch-nixl"`, same ceiling). `kvtier bench p2p` and the `p2p_bench` example call [`run`].
+//! chunks) behind as many framing bytes as a DATA frame has, read into a ring of `slot_count`
+//! chunk-sized buffers (like the fetcher's host slots) in reads of the fetcher's size. So the
+//! ratio measures what the protocol costs (framing, requests, checksums), not where the bytes
+//! sit. Each raw stream keeps its connection for all rounds and is warmed by an untimed pass, as
+//! the fetcher's is. A raw stream that rewrites one cache-resident buffer is also measured and
+//! shown on the progress line, but it is not the ceiling: no fetch moves its bytes out of cache.
+//! The path is two [`P2pTier`] instances in this process, where A publishes the chunks and B
+//! loads them over loopback (one connection, jobs of several chunks, two jobs in flight, every
+//! chunk received straight into B's slots and verified by checksum). Rounds alternate raw and
+//! tier so that drift in the machine hits both alike; the best round of each is reported. With
+//! the `nixl` feature and `nixl` set, a second fetching instance moves the same chunks by NIXL
+//! READ (row op `"fetch-nixl"`, same ceiling). `kvtier bench p2p` and the `p2p_bench` example
+//! call [`run`].
 
 use std::cell::UnsafeCell;
 use std::io::{IoSlice, Read, Write};
@@ -254,9 +255,10 @@ const RAW_FRAMING_BYTES: usize = HEADER_BYTES + DATA_PREFIX_BYTES;
 /// reads of the size the fetcher uses ([`HASH_PIECE_BYTES`]). The framing bytes matter on this
 /// machine's CPU: without them the kernel copies between pages at the same offset on both
 /// sides, which ran 10-40% slower in interleaved runs (2.0-2.6 against 2.7-3.3 GiB/s at 1-8
-/// MiB), and a ceiling that slow is no ceiling. One chunk each is the cache-resident stream; a source as large as the
-/// pass and a ring as large as the fetcher's slots is the ceiling. Memory is allocated and
-/// prefaulted once, and an untimed pass warms the connection (its buffers grow with use).
+/// MiB), and a ceiling that slow is no ceiling. One chunk each is the cache-resident stream; a
+/// source as large as the pass and a ring as large as the fetcher's slots is the ceiling. Memory
+/// is allocated and prefaulted once, and an untimed pass warms the connection (its buffers grow
+/// with use).
 struct RawStream {
     stream: TcpStream,
     ring: Box<[u8]>,
@@ -346,7 +348,7 @@ impl Drop for RawStream {
         self.go = None;
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
         if let Some(writer) = self.writer.take() {
-            // A write error after the shutdown is expected; the passes already checked the bytes.
+            // A write error after the shutdown is expected; every pass already read all its bytes.
             let _ = writer.join();
         }
     }
