@@ -122,8 +122,9 @@ fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<BenchRow>, f64)
         })
         .collect();
     // Warm-up: connects and warms the path.
+    let warm_up = count.min(config.slot_count as usize);
     for pass in &mut passes {
-        pass.run(count.min(config.slot_count as usize))?;
+        pass.run(warm_up)?;
     }
     if config.nixl {
         check_nixl_used(passes[1].tier)?;
@@ -138,7 +139,7 @@ fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<BenchRow>, f64)
         }
     }
     // Every chunk a pass counted came over the wire from the publisher and verified.
-    let expected = (count.min(config.slot_count as usize) + config.rounds * count) as u64;
+    let expected = (warm_up + config.rounds * count) as u64;
     for (op, tier) in &paths {
         let fetched = tier.stats().chunks_fetched;
         if fetched != expected {
@@ -322,8 +323,7 @@ impl RawStream {
         let write_bytes = self.write_bytes;
         let slots = self.ring.len() / write_bytes;
         let start = Instant::now();
-        let go = self.go.as_ref().map(|go| go.send(()));
-        if !matches!(go, Some(Ok(()))) {
+        if self.go.as_ref().is_none_or(|go| go.send(()).is_err()) {
             return Err("p2p bench raw loopback: the writer thread is gone".into());
         }
         let mut framing = [0u8; RAW_FRAMING_BYTES];
