@@ -1,7 +1,14 @@
-//! The client worker: one thread that owns the outgoing connection to every peer (so at most one
-//! request is in flight per peer), answers lookup batches with one HAVE per peer, and runs load
-//! jobs with one GET per peer and batch, reading DATA payloads straight into the reserved host
-//! slots and verifying each checksum before the chunk counts.
+//! The client worker: one thread that owns the outgoing connection to every peer, answers lookup
+//! batches with one HAVE per peer, and runs load jobs with one GET per peer and batch, reading
+//! DATA payloads straight into the reserved host slots and verifying each checksum before the
+//! chunk counts.
+//!
+//! GETs are pipelined one ahead, so at most two requests are in flight per peer: the next batch's
+//! GET goes out before the current batch's answer is read, and while the last answer of a job
+//! arrives, the first GET of the next queued load job (its local copies done early) goes out too,
+//! if that GET is for the same peer. The peer answers requests in order, so it streams on without
+//! waiting a round trip between batches and jobs. A job that stops before reading an answer sent
+//! ahead for it drops that connection.
 //!
 //! A peer that fails (connect, handshake, timeout, bad frame, closed mid-transfer) is marked down
 //! and skipped until a backoff that doubles with each consecutive failure has passed; then it is
@@ -13,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use offload_core::tier::{SlotMemory, TierCompletion};
-use offload_core::ChunkKey;
+use offload_core::{ChunkKey, JobId};
 
 use crate::conn::Conn;
 use crate::error::P2pError;
@@ -27,6 +34,11 @@ use crate::worker::{copy_local, Control, Work};
 pub(crate) const HASH_PIECE_BYTES: usize = 256 * 1024;
 /// Bytes read at a time when a payload is discarded.
 const DISCARD_PIECE_BYTES: usize = 1 << 20;
+/// The most keys in a GET sent ahead of its turn. The peer reads its next request only after it
+/// has sent the current answer, so a GET sent ahead must fit in the socket buffers while the
+/// peer is blocked sending to us: 1024 keys (12 KiB) fit in Linux's default send buffer (16 KiB)
+/// alone. Larger batches wait their turn; they are long enough that a round trip hardly counts.
+const AHEAD_KEYS_MAX: usize = 1024;
 
 #[cfg(feature = "nixl")]
 #[path = "client_nixl.rs"]
@@ -50,10 +62,24 @@ pub(crate) struct LookupAnswer {
     pub(crate) holders: Vec<Option<u16>>,
 }
 
+/// A GET sent ahead of its turn on a peer's connection: the first batch of a queued load job.
+struct Ahead {
+    job: JobId,
+    keys: Vec<ChunkKey>,
+}
+
+/// A command taken from the queue, load jobs with their local copies done.
+enum Queued {
+    Lookup(Vec<ChunkKey>),
+    Load(Work, Vec<bool>),
+}
+
 /// One configured peer.
 struct Peer {
     addr: SocketAddr,
     conn: Option<Conn>,
+    /// The GET sent ahead on `conn` for a queued job, if any (gone with the connection).
+    ahead: Option<Ahead>,
     failures: u32,
     retry_at: Option<Instant>,
     /// When the connection last carried a request.
@@ -89,15 +115,20 @@ pub(crate) struct Client {
     peers: Vec<Peer>,
     status: Arc<Mutex<Vec<PeerStatus>>>,
     scratch: Vec<u8>,
+    commands: Receiver<ClientCommand>,
+    /// The command taken from `commands` ahead of its turn (to send its GET early), run next.
+    next: Option<Queued>,
 }
 
 impl Client {
-    /// A client for the configured peers, reporting their state into `status`.
+    /// A client for the configured peers that runs `commands`, reporting the peers' state into
+    /// `status`.
     pub(crate) fn new(
         shared: Arc<Shared>,
         memory: Arc<dyn SlotMemory>,
         control: Arc<Control>,
         status: Arc<Mutex<Vec<PeerStatus>>>,
+        commands: Receiver<ClientCommand>,
     ) -> Self {
         let peers = shared
             .config
@@ -106,6 +137,7 @@ impl Client {
             .map(|&addr| Peer {
                 addr,
                 conn: None,
+                ahead: None,
                 failures: 0,
                 retry_at: None,
                 used_at: Instant::now(),
@@ -122,24 +154,28 @@ impl Client {
             peers,
             status,
             scratch: Vec::new(),
+            commands,
+            next: None,
         }
     }
 
     /// The worker's loop; returns when the tier drops its sender.
-    pub(crate) fn run(
-        mut self,
-        commands: &Receiver<ClientCommand>,
-        done: &Sender<TierCompletion>,
-        answers: &Sender<LookupAnswer>,
-    ) {
-        for command in commands {
-            let sent = match command {
-                ClientCommand::Lookup(keys) if self.control.shutting_down() => {
+    pub(crate) fn run(mut self, done: &Sender<TierCompletion>, answers: &Sender<LookupAnswer>) {
+        loop {
+            let queued = match self.next.take() {
+                Some(queued) => queued,
+                None => match self.commands.recv() {
+                    Ok(command) => self.take(command),
+                    Err(_) => break,
+                },
+            };
+            let sent = match queued {
+                Queued::Lookup(keys) if self.control.shutting_down() => {
                     let holders = vec![None; keys.len()];
                     answers.send(LookupAnswer { keys, holders }).is_ok()
                 }
-                ClientCommand::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
-                ClientCommand::Load(work) => done.send(self.load(&work)).is_ok(),
+                Queued::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
+                Queued::Load(work, local) => done.send(self.load(&work, local)).is_ok(),
             };
             if !sent {
                 break;
@@ -191,14 +227,25 @@ impl Client {
         LookupAnswer { keys, holders }
     }
 
-    /// Runs a load job: local copies, then GETs to the peers (those a lookup named first) until
-    /// every chunk is loaded, the job is cancelled, or its deadline passes.
-    fn load(&mut self, work: &Work) -> TierCompletion {
-        let mut done: Vec<bool> = work
-            .chunks
-            .iter()
-            .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
-            .collect();
+    /// A command taken from the queue: a load job gets its local copies now (which chunks are
+    /// left for the peers is known before its turn).
+    fn take(&self, command: ClientCommand) -> Queued {
+        match command {
+            ClientCommand::Lookup(keys) => Queued::Lookup(keys),
+            ClientCommand::Load(work) => {
+                let local = work
+                    .chunks
+                    .iter()
+                    .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
+                    .collect();
+                Queued::Load(work, local)
+            }
+        }
+    }
+
+    /// Runs a load job whose local copies `done` holds: GETs to the peers (those a lookup named
+    /// first) until every chunk is loaded, the job is cancelled, or its deadline passes.
+    fn load(&mut self, work: &Work, mut done: Vec<bool>) -> TierCompletion {
         for p in self.peer_order(work, &done) {
             if done.iter().all(|&d| d) || self.control.stopped(work.id) {
                 break;
@@ -214,6 +261,17 @@ impl Client {
                     break;
                 }
                 Err(Stop::Failed(error)) => self.fail(p, &error),
+            }
+        }
+        // A GET sent ahead for this job and not read (it stopped or ran out of time first): its
+        // answer is on the way, so that stream is of no more use.
+        for p in 0..self.peers.len() {
+            if self.peers[p]
+                .ahead
+                .as_ref()
+                .is_some_and(|a| a.job == work.id)
+            {
+                self.disconnect(p);
             }
         }
         let failed: Vec<ChunkKey> = work
@@ -244,20 +302,52 @@ impl Client {
         order
     }
 
-    /// GETs the chunks of `work` not yet done from peer `p`, in batches.
+    /// GETs the chunks of `work` not yet done from peer `p`, in batches, each batch's GET sent
+    /// before the answer to the one before it is read (if it is small), the first one possibly
+    /// already sent by [`Client::ask_ahead`].
     fn fetch(&mut self, p: usize, work: &Work, done: &mut [bool]) -> Result<(), Stop> {
+        let ahead = self.peers[p].ahead.take();
         #[cfg(feature = "nixl")]
-        if self.nixl_usable(p, work, done) && self.fetch_nixl(p, work, done)? {
+        if ahead.is_none() && self.nixl_usable(p, work, done) && self.fetch_nixl(p, work, done)? {
             return Ok(());
         }
-        let pending: Vec<usize> = (0..work.chunks.len()).filter(|&i| !done[i]).collect();
-        for batch in pending.chunks(self.shared.config.keys_per_request_max) {
-            let keys: Vec<ChunkKey> = batch.iter().map(|&i| work.chunks[i].0).collect();
-            let conn = self.conn(p);
-            conn.set_deadline(work.deadline);
-            conn.send(&Frame::Get(keys), "send GET")?;
+        let batches = self.batches(work, done);
+        let sent_ahead = ahead.map(|a| {
+            a.job == work.id && batches.first().is_some_and(|b| a.keys == keys_of(work, b))
+        });
+        let mut asked = match sent_ahead {
+            Some(true) => 1,
+            Some(false) => {
+                // Not this job's (it never happens): the stream carries an answer we do not want.
+                self.disconnect(p);
+                if !self.ready(p, work.deadline) {
+                    return Ok(());
+                }
+                0
+            }
+            None => 0,
+        };
+        self.conn(p).set_deadline(work.deadline);
+        for (b, batch) in batches.iter().enumerate() {
+            if asked == b {
+                self.conn(p)
+                    .send(&Frame::Get(keys_of(work, batch)), "send GET")?;
+                asked += 1;
+            }
+            if let Some(next) = batches
+                .get(asked)
+                .filter(|n| asked == b + 1 && n.len() <= AHEAD_KEYS_MAX)
+            {
+                self.conn(p)
+                    .send(&Frame::Get(keys_of(work, next)), "send GET")?;
+                asked += 1;
+            }
+            let last = b + 1 == batches.len();
             let mut received = 0u32;
             loop {
+                if last {
+                    self.ask_ahead(p)?;
+                }
                 let header = self.conn(p).recv_header("receive GET answer")?;
                 if header.kind != FrameKind::Data {
                     let end = recv_end(self.conn(p), header)?;
@@ -276,6 +366,62 @@ impl Client {
             }
         }
         Ok(())
+    }
+
+    /// The chunks of `work` not yet `done`, by index, in GET batches.
+    fn batches(&self, work: &Work, done: &[bool]) -> Vec<Vec<usize>> {
+        let pending: Vec<usize> = (0..work.chunks.len()).filter(|&i| !done[i]).collect();
+        pending
+            .chunks(self.shared.config.keys_per_request_max)
+            .map(<[usize]>::to_vec)
+            .collect()
+    }
+
+    /// While the last answer of a job streams in from peer `p`: takes the next command from the
+    /// queue if there is one (once), and if it is a load job whose first GET would go to `p`,
+    /// sends that GET now, so `p` goes on to it without waiting a round trip. Not for a job that
+    /// NIXL would fetch (that starts with a NIXL_GET), nor for a large first batch.
+    fn ask_ahead(&mut self, p: usize) -> Result<(), P2pError> {
+        if self.next.is_some() {
+            return Ok(());
+        }
+        let Ok(command) = self.commands.try_recv() else {
+            return Ok(());
+        };
+        let queued = self.take(command);
+        let ahead = match &queued {
+            Queued::Load(work, local) => self.first_get(p, work, local),
+            Queued::Lookup(_) => None,
+        };
+        self.next = Some(queued);
+        if let Some(ahead) = ahead {
+            self.conn(p)
+                .send(&Frame::Get(ahead.keys.clone()), "send GET")?;
+            self.peers[p].ahead = Some(ahead);
+            self.peers[p].used_at = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// The first GET of queued load job `work` (local copies `done`), if it goes to peer `p`
+    /// and may be sent ahead.
+    fn first_get(&self, p: usize, work: &Work, done: &[bool]) -> Option<Ahead> {
+        #[cfg(feature = "nixl")]
+        if self.nixl_usable(p, work, done) {
+            return None;
+        }
+        if self.control.stopped(work.id)
+            || Instant::now() >= work.deadline
+            || self.peer_order(work, done).first() != Some(&p)
+        {
+            return None;
+        }
+        let batches = self.batches(work, done);
+        let first = batches.first().filter(|b| b.len() <= AHEAD_KEYS_MAX)?;
+        Some(Ahead {
+            job: work.id,
+            keys: keys_of(work, first),
+        })
     }
 
     /// Receives one DATA body (its header read) for one of `batch`'s chunks: into the slot, then
@@ -436,6 +582,7 @@ impl Client {
     fn disconnect(&mut self, p: usize) {
         #[cfg(feature = "nixl")]
         self.forget_nixl(p);
+        self.peers[p].ahead = None;
         if let Some(conn) = self.peers[p].conn.take() {
             conn.shutdown();
             self.control.unregister(p);
@@ -447,6 +594,7 @@ impl Client {
     fn fail(&mut self, p: usize, error: &P2pError) {
         #[cfg(feature = "nixl")]
         self.forget_nixl(p);
+        self.peers[p].ahead = None;
         if let Some(conn) = self.peers[p].conn.take() {
             conn.shutdown();
             self.control.unregister(p);
@@ -539,6 +687,11 @@ fn receive_hashed(conn: &mut Conn, dst: &mut [u8]) -> Result<u64, P2pError> {
         hasher.write(piece);
     }
     Ok(hasher.finish())
+}
+
+/// The keys of the chunks of `work` at `indexes`.
+fn keys_of(work: &Work, indexes: &[usize]) -> Vec<ChunkKey> {
+    indexes.iter().map(|&i| work.chunks[i].0).collect()
 }
 
 fn parse_prefix(prefix: &[u8; DATA_PREFIX_BYTES]) -> (ChunkKey, u64) {

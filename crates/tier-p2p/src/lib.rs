@@ -13,7 +13,8 @@
 //!
 //! Threads, all bounded: one accept thread, one handler per served connection (at most
 //! `connections_max`), one local worker (publishing, local loads) and one client worker that
-//! owns one connection per peer (so one request in flight per peer). No async runtime.
+//! owns one connection per peer (at most two requests in flight on it: GETs are pipelined one
+//! ahead). No async runtime.
 //!
 //! With the `nixl` feature, a GET's bytes can move by NIXL READ (RDMA or another UCX
 //! transport) while the TCP connection carries the control messages and checksums (module

@@ -156,9 +156,10 @@ impl P2pTier {
             Arc::clone(&memory),
             Arc::clone(&control),
             Arc::clone(&status),
+            client_rx,
         );
         let client_thread = spawn(format!("p2p-client-{port}"), move || {
-            client.run(&client_rx, &done_tx, &answers_tx);
+            client.run(&done_tx, &answers_tx);
         });
         let client_thread = match client_thread {
             Ok(thread) => thread,

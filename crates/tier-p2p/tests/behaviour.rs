@@ -1,7 +1,8 @@
 //! Behaviour of the peer tier beyond the conformance suite: lookups batched per poll, LRU
 //! eviction of published chunks, integrity checks on fetched bytes (a bad checksum or length is
-//! never loaded), idle connections replaced before the peer drops them, and a shutdown that does
-//! not wait for a stalled peer's deadline.
+//! never loaded), GETs pipelined across jobs (and a cancelled job's answer never read as another
+//! job's), idle connections replaced before the peer drops them, and a shutdown that does not
+//! wait for a stalled peer's deadline.
 
 mod common;
 
@@ -104,12 +105,7 @@ fn fake_peer(
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let thread = std::thread::spawn(move || {
-        let (stream, _) = listener.accept().expect("accept");
-        let mut raw = Raw::new(stream);
-        let Ok(Frame::Hello(hello)) = raw.recv() else {
-            panic!("client opens with HELLO");
-        };
-        raw.send(&Raw::hello(&hello.namespace, false));
+        let mut raw = accept_handshaken(&listener);
         loop {
             match raw.recv() {
                 Ok(Frame::Have(keys)) => raw.send(&Frame::HaveReply(vec![true; keys.len()])),
@@ -119,6 +115,164 @@ fn fake_peer(
         }
     });
     (addr, thread)
+}
+
+/// Accepts the next client connection and answers its handshake (no secret).
+fn accept_handshaken(listener: &TcpListener) -> Raw {
+    let (stream, _) = listener.accept().expect("accept");
+    let mut raw = Raw::new(stream);
+    let Ok(Frame::Hello(hello)) = raw.recv() else {
+        panic!("client opens with HELLO");
+    };
+    raw.send(&Raw::hello(&hello.namespace, false));
+    raw
+}
+
+/// Sends chunk `index` of the common test data (its bytes and right checksum).
+fn send_good(raw: &mut Raw, index: u64) {
+    let bytes = tier_testkit::pattern(common::seed(index), BYTES as usize);
+    send_chunk(raw, common::key(index), checksum(&bytes), &bytes);
+}
+
+/// Receives the next frame, which must be a GET of chunks `indices`.
+fn expect_get(raw: &mut Raw, indices: &[u64], when: &str) -> Result<(), String> {
+    let want: Vec<ChunkKey> = indices.iter().map(|&i| common::key(i)).collect();
+    match raw.recv() {
+        Ok(Frame::Get(keys)) if keys == want => Ok(()),
+        other => Err(format!(
+            "{when}: expected GET of {indices:?}, got {other:?}"
+        )),
+    }
+}
+
+#[test]
+fn the_next_jobs_get_goes_out_while_the_current_answer_streams() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || -> Result<(), String> {
+        let mut raw = accept_handshaken(&listener);
+        expect_get(&mut raw, &[0, 1], "first request")?;
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+        send_good(&mut raw, 0);
+        // The client, reading chunk 0, finds job 2 queued and asks for it now: before the
+        // answer to job 1 is complete (Raw reads time out after 5 s).
+        expect_get(&mut raw, &[2, 3], "before job 1's answer ended")?;
+        send_good(&mut raw, 1);
+        raw.send(&Frame::End { sent: 2 });
+        send_good(&mut raw, 2);
+        send_good(&mut raw, 3);
+        raw.send(&Frame::End { sent: 2 });
+        raw.errors_until_closed();
+        Ok(())
+    });
+    let (mut b, memory) = instance(vec![addr], |_| {});
+    common::submit_load(&mut b, JobId(1), &[0, 1], 0, BYTES);
+    common::submit_load(&mut b, JobId(2), &[2, 3], 2, BYTES);
+    go_tx.send(()).expect("peer waits");
+    let done = common::wait_all(&mut b, &[JobId(1), JobId(2)], WAIT);
+    b.shutdown();
+    peer.join().expect("fake peer").expect("requests pipelined");
+    assert!(done.iter().all(TierCompletion::is_success), "{done:?}");
+    common::expect_loaded(&*memory, &[0, 1, 2, 3], 0, BYTES);
+    assert_eq!(b.stats().chunks_fetched, 4);
+}
+
+#[test]
+fn a_jobs_next_batch_is_asked_for_before_the_current_answer_is_read() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let peer = std::thread::spawn(move || -> Result<(), String> {
+        let mut raw = accept_handshaken(&listener);
+        expect_get(&mut raw, &[0], "batch 1")?;
+        expect_get(&mut raw, &[1], "batch 2, before batch 1's answer")?;
+        send_good(&mut raw, 0);
+        raw.send(&Frame::End { sent: 1 });
+        expect_get(&mut raw, &[2], "batch 3, before batch 2's answer")?;
+        for index in [1, 2] {
+            send_good(&mut raw, index);
+            raw.send(&Frame::End { sent: 1 });
+        }
+        raw.errors_until_closed();
+        Ok(())
+    });
+    let (mut b, memory) = instance(vec![addr], |c| c.keys_per_request_max = 1);
+    common::submit_load(&mut b, JobId(1), &[0, 1, 2], 0, BYTES);
+    let done = common::wait(&mut b, JobId(1), WAIT);
+    b.shutdown();
+    peer.join().expect("fake peer").expect("batches pipelined");
+    assert!(done.is_success(), "{done:?}");
+    common::expect_loaded(&*memory, &[0, 1, 2], 0, BYTES);
+}
+
+#[test]
+fn a_job_cancelled_after_its_get_went_ahead_leaves_no_stray_answer() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let (asked_tx, asked_rx) = mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || -> Result<(), String> {
+        let mut raw = accept_handshaken(&listener);
+        expect_get(&mut raw, &[0], "first request")?;
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+        // Half of chunk 0, so that the client is mid-answer when it looks at its queue.
+        let bytes = tier_testkit::pattern(common::seed(0), BYTES as usize);
+        let mut prefix = Vec::new();
+        encode_data_prefix(common::key(0), checksum(&bytes), bytes.len(), &mut prefix);
+        raw.send_bytes(&prefix);
+        raw.send_bytes(&bytes[..bytes.len() / 2]);
+        expect_get(&mut raw, &[1], "job 2, ahead")?;
+        asked_tx.send(()).map_err(|e| format!("asked: {e}"))?;
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+        raw.send_bytes(&bytes[bytes.len() / 2..]);
+        raw.send(&Frame::End { sent: 1 });
+        // Job 2 was cancelled meanwhile, but its answer was asked for: send it, unless the
+        // client has already closed the connection.
+        let bytes = tier_testkit::pattern(common::seed(1), BYTES as usize);
+        let mut answer = Vec::new();
+        encode_data_prefix(common::key(1), checksum(&bytes), bytes.len(), &mut answer);
+        answer.extend_from_slice(&bytes);
+        Frame::End { sent: 1 }.encode(&mut answer);
+        if std::io::Write::write_all(&mut raw.stream, &answer).is_ok() {
+            raw.errors_until_closed();
+        }
+        // What comes next (a lookup, then job 3) must come on a fresh connection: the old one
+        // still carried job 2's answer.
+        let mut raw = accept_handshaken(&listener);
+        match raw.recv() {
+            Ok(Frame::Have(keys)) if keys == [common::key(2)] => {
+                raw.send(&Frame::HaveReply(vec![true]));
+            }
+            other => return Err(format!("lookup, new connection: got {other:?}")),
+        }
+        expect_get(&mut raw, &[2], "job 3, new connection")?;
+        send_good(&mut raw, 2);
+        raw.send(&Frame::End { sent: 1 });
+        raw.errors_until_closed();
+        Ok(())
+    });
+    let (mut b, memory) = instance(vec![addr], |_| {});
+    common::submit_load(&mut b, JobId(1), &[0], 0, BYTES);
+    common::submit_load(&mut b, JobId(2), &[1], 1, BYTES);
+    go_tx.send(()).expect("peer waits");
+    asked_rx.recv_timeout(WAIT).expect("job 2's GET went ahead");
+    b.cancel(JobId(2));
+    go_tx.send(()).expect("peer waits");
+    let done = common::wait_all(&mut b, &[JobId(1), JobId(2)], WAIT);
+    assert!(done[0].is_success(), "{done:?}");
+    assert_eq!(done[1].failed, vec![common::key(1)], "job 2 was cancelled");
+    assert_eq!(
+        common::settle(&mut b, common::key(2), WAIT),
+        TierLookup::Hit
+    );
+    common::submit_load(&mut b, JobId(3), &[2], 2, BYTES);
+    let third = common::wait(&mut b, JobId(3), WAIT);
+    b.shutdown();
+    peer.join().expect("fake peer").expect("fake peer's script");
+    assert!(third.is_success(), "{third:?}");
+    common::expect_loaded(&*memory, &[0], 0, BYTES);
+    common::expect_loaded(&*memory, &[2], 2, BYTES);
+    assert_eq!(b.stats().peer_failures, 0, "{:?}", b.peer_status());
 }
 
 fn send_chunk(raw: &mut Raw, key: ChunkKey, sum: u64, payload: &[u8]) {

@@ -56,6 +56,28 @@ pub fn wait(tier: &mut dyn Tier, id: JobId, deadline: Duration) -> TierCompletio
     }
 }
 
+/// Polls `tier` until every job of `ids` completes (their completions in `ids` order), or panics
+/// after `deadline`.
+pub fn wait_all(tier: &mut dyn Tier, ids: &[JobId], deadline: Duration) -> Vec<TierCompletion> {
+    let start = Instant::now();
+    let mut out = Vec::new();
+    loop {
+        tier.poll(&mut out);
+        let done: Vec<TierCompletion> = ids
+            .iter()
+            .filter_map(|id| out.iter().find(|c| c.id == *id).cloned())
+            .collect();
+        if done.len() == ids.len() {
+            return done;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "jobs {ids:?} did not all complete within {deadline:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Looks `key` up until the answer is not `Retry` (polling in between), or panics after
 /// `deadline`.
 pub fn settle(tier: &mut dyn Tier, key: ChunkKey, deadline: Duration) -> TierLookup {
