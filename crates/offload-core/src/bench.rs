@@ -27,9 +27,25 @@ impl BenchRow {
     }
 }
 
+/// The middle value of `values` (the upper one of an even count; 0 for none), sorting them. The
+/// benchmarks report the median of each round's own path/ceiling ratio beside the best-of
+/// ratio: one lucky pass moves a best-of, not a median.
+pub fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn median_takes_the_middle_or_upper_middle() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 3.0);
+        assert_eq!(median(&mut [0.5]), 0.5);
+        assert_eq!(median(&mut []), 0.0);
+    }
 
     #[test]
     fn ratio_divides_and_guards_zero() {

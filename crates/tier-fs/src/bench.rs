@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use offload_core::bench::median;
 use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
 use offload_core::{BenchRow, ChunkKey, JobId, SlotId};
 
@@ -458,12 +459,6 @@ fn tier(config: &FsBenchConfig, size: usize, count: usize) -> Result<(f64, f64, 
     let measured = measured?;
     removed.map_err(|e| FsError::io("remove_dir_all", &root, 0, e))?;
     Ok(measured)
-}
-
-/// The middle value (the upper one of an even count); 0 for none.
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Chunks of `size` moved per pass.

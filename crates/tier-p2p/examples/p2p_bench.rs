@@ -2,7 +2,7 @@
 //! same run: a thin command-line wrapper over [`tier_p2p::bench::run`].
 //!
 //! Usage: `cargo run --release -p tier-p2p --example p2p_bench -- [--total-mib N] [--rounds N]
-//! [--nixl]` (`--nixl` also measures the NIXL data plane: build with `--features nixl` and make
+//! [--chunk-mib N] [--nixl]` (`--chunk-mib` measures that one chunk size) (`--nixl` also measures the NIXL data plane: build with `--features nixl` and make
 //! the NIXL library findable, see `tier_p2p::nixl`).
 
 use tier_p2p::bench::{self, P2pBenchConfig};
@@ -19,8 +19,9 @@ fn main() {
         match (arg.as_str(), value) {
             ("--total-mib", Some(v)) => config.total_bytes = v << 20,
             ("--rounds", Some(v)) => config.rounds = v,
+            ("--chunk-mib", Some(v)) => config.chunk_bytes = vec![v << 20],
             _ => {
-                eprintln!("usage: p2p_bench [--total-mib N] [--rounds N] [--nixl]");
+                eprintln!("usage: p2p_bench [--total-mib N] [--rounds N] [--chunk-mib N] [--nixl]");
                 std::process::exit(2);
             }
         }
