@@ -16,8 +16,11 @@ pub struct RatioRow {
     pub gib_per_s: f64,
     /// The ceiling's throughput, GiB/s, same run.
     pub ceiling_gib_per_s: f64,
-    /// `gib_per_s / ceiling_gib_per_s`.
+    /// `gib_per_s / ceiling_gib_per_s` (each the best of its rounds).
     pub ratio: f64,
+    /// The median of each round's own path/ceiling ratio, where the bench pairs its rounds
+    /// (`fs`, `p2p`); `null` where it does not (`host`).
+    pub ratio_median: Option<f64>,
 }
 
 /// The result of one `kvtier bench host|fs|p2p` (its `--json` output).
@@ -45,6 +48,7 @@ impl DataBenchReport {
                     gib_per_s: r.gib_per_s,
                     ceiling_gib_per_s: r.ceiling_gib_per_s,
                     ratio: r.ratio(),
+                    ratio_median: r.round_ratio_median,
                 })
                 .collect(),
         }
@@ -65,12 +69,20 @@ fn size(bytes: u64) -> String {
 /// The report as a table for people.
 pub fn render(report: &DataBenchReport) -> String {
     let mut out = format!(
-        "bench {}: path vs {} (same run)\n{:>10} {:>6} {:>11} {:>14} {:>7}\n",
-        report.bench, report.ceiling, "chunk", "op", "path GiB/s", "ceiling GiB/s", "ratio"
+        "bench {}: path vs {} (same run)\n{:>10} {:>6} {:>11} {:>14} {:>7} {:>7}\n",
+        report.bench,
+        report.ceiling,
+        "chunk",
+        "op",
+        "path GiB/s",
+        "ceiling GiB/s",
+        "ratio",
+        "median"
     );
     for r in &report.rows {
+        let median = r.ratio_median.map_or("-".to_owned(), |m| format!("{m:.2}"));
         out.push_str(&format!(
-            "{:>10} {:>6} {:>11.2} {:>14.2} {:>7.2}\n",
+            "{:>10} {:>6} {:>11.2} {:>14.2} {:>7.2} {median:>7}\n",
             size(r.chunk_bytes),
             r.op,
             r.gib_per_s,
@@ -78,6 +90,9 @@ pub fn render(report: &DataBenchReport) -> String {
             r.ratio
         ));
     }
+    out.push_str(
+        "ratio: best path pass over best ceiling pass; median: of each round's own ratio\n",
+    );
     out
 }
 
@@ -102,20 +117,51 @@ mod tests {
 
     #[test]
     fn rows_carry_their_ratio_and_render() {
-        let rows = [BenchRow {
-            op: "load".into(),
-            chunk_bytes: 1 << 20,
-            gib_per_s: 3.0,
-            ceiling_gib_per_s: 4.0,
-        }];
-        let report = DataBenchReport::new("host", "memcpy", &rows);
+        let rows = [
+            BenchRow {
+                op: "load".into(),
+                chunk_bytes: 1 << 20,
+                gib_per_s: 3.0,
+                ceiling_gib_per_s: 4.0,
+                round_ratio_median: Some(0.625),
+            },
+            BenchRow {
+                op: "store".into(),
+                chunk_bytes: 2 << 20,
+                gib_per_s: 1.0,
+                ceiling_gib_per_s: 4.0,
+                round_ratio_median: None,
+            },
+        ];
+        let report = DataBenchReport::new("fs", "raw O_DIRECT", &rows);
         assert!((report.rows[0].ratio - 0.75).abs() < 1e-12);
+        assert_eq!(report.rows[0].ratio_median, Some(0.625));
         let text = render(&report);
-        assert!(text.contains("1 MiB") && text.contains("0.75"), "{text}");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[1].ends_with("median"), "{text}");
+        assert!(
+            lines[2].contains("1 MiB") && lines[2].contains("0.75"),
+            "{text}"
+        );
+        assert!(
+            lines[2].ends_with("0.62") || lines[2].ends_with("0.63"),
+            "{text}"
+        );
+        assert!(
+            lines[3].contains("2 MiB") && lines[3].ends_with('-'),
+            "{text}"
+        );
         let json = serde_json::to_value(&report).unwrap();
-        for field in ["chunk_bytes", "gib_per_s", "ceiling_gib_per_s", "ratio"] {
+        for field in [
+            "chunk_bytes",
+            "gib_per_s",
+            "ceiling_gib_per_s",
+            "ratio",
+            "ratio_median",
+        ] {
             assert!(json["rows"][0].get(field).is_some(), "{field}");
         }
+        assert!(json["rows"][1]["ratio_median"].is_null());
     }
 
     #[test]

@@ -108,7 +108,7 @@ struct P2pArgs {
     #[arg(long, value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=65536))]
     total_mib: u64,
     /// Alternating raw/tier rounds; the best of each is reported.
-    #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    #[arg(long, value_name = "N", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=1000))]
     rounds: u64,
 }
 

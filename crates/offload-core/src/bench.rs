@@ -14,6 +14,12 @@ pub struct BenchRow {
     pub gib_per_s: f64,
     /// The ceiling's throughput (memcpy, raw O_DIRECT, raw socket), GiB/s, same run.
     pub ceiling_gib_per_s: f64,
+    /// The median of each round's own path/ceiling ratio, where the benchmark alternates
+    /// rounds of the two (`None` where it does not). On a machine whose throughput swings
+    /// between passes this is the steadier number: one lucky pass moves the best-of
+    /// [`BenchRow::ratio`], not this.
+    #[serde(default)]
+    pub round_ratio_median: Option<f64>,
 }
 
 impl BenchRow {
@@ -54,6 +60,7 @@ mod tests {
             chunk_bytes: 1 << 20,
             gib_per_s: 3.0,
             ceiling_gib_per_s: 4.0,
+            round_ratio_median: None,
         };
         assert!((row.ratio() - 0.75).abs() < 1e-12);
         row.ceiling_gib_per_s = 0.0;

@@ -49,22 +49,23 @@ fn main() -> Result<(), String> {
     let config = parse_args()?;
     let rows = run(&config, &mut |line| println!("{line}")).map_err(|e| e.to_string())?;
     println!(
-        "{:>8}  {:>6}  {:>9} {:>9} {:>6}",
-        "chunk", "op", "tier", "ceiling", "ratio"
+        "{:>8}  {:>6}  {:>9} {:>9} {:>6} {:>7}",
+        "chunk", "op", "tier", "ceiling", "ratio", "median"
     );
     for row in &rows {
         println!(
-            "{:>5}KiB  {:>6}  {:>9.2} {:>9.2} {:>5.2}x",
+            "{:>5}KiB  {:>6}  {:>9.2} {:>9.2} {:>5.2}x {:>6.2}x",
             row.chunk_bytes / 1024,
             row.op,
             row.gib_per_s,
             row.ceiling_gib_per_s,
-            row.ratio()
+            row.ratio(),
+            row.round_ratio_median.unwrap_or(0.0)
         );
     }
     println!(
         "(GiB/s, best of {} rounds each; ceiling = the better of raw O_DIRECT at queue depth 1 \
-         and at the tier's depth, same directory, same run)",
+         and at the tier's depth, same directory, same run; median = of each round's own ratio)",
         config.repeats
     );
     Ok(())

@@ -528,6 +528,7 @@ pub fn run(
         }
         let [write_1, write_n, store, read_1, read_n, load] = best;
         let (write_ceiling, read_ceiling) = (write_1.max(write_n), read_1.max(read_n));
+        let (store_median, load_median) = (median(&mut store_ratios), median(&mut load_ratios));
         progress(&format!(
             "{:>6} KiB best of {}: store {store:.2} / ceiling {write_ceiling:.2} = {:.2}x | load \
              {load:.2} / ceiling {read_ceiling:.2} = {:.2}x (median of the rounds' own ratios: \
@@ -536,18 +537,19 @@ pub fn run(
             config.repeats,
             store / write_ceiling,
             load / read_ceiling,
-            median(&mut store_ratios),
-            median(&mut load_ratios)
+            store_median,
+            load_median,
         ));
-        for (op, gib, ceiling) in [
-            ("store", store, write_ceiling),
-            ("load", load, read_ceiling),
+        for (op, gib, ceiling, median) in [
+            ("store", store, write_ceiling, store_median),
+            ("load", load, read_ceiling, load_median),
         ] {
             rows.push(BenchRow {
                 op: op.into(),
                 chunk_bytes: size as u64,
                 gib_per_s: gib,
                 ceiling_gib_per_s: ceiling,
+                round_ratio_median: Some(median),
             });
         }
     }
@@ -578,6 +580,11 @@ mod tests {
         for row in &rows {
             assert!(
                 row.gib_per_s > 0.0 && row.ceiling_gib_per_s > 0.0,
+                "{row:?}"
+            );
+            assert!(
+                row.round_ratio_median
+                    .is_some_and(|m| m > 0.0 && m.is_finite()),
                 "{row:?}"
             );
         }

@@ -182,6 +182,8 @@ fn measure(
             chunk_bytes: chunk as u64,
             gib_per_s: gib_per_s(total, path),
             ceiling_gib_per_s: gib_per_s(total, ceiling),
+            // Path and ceiling are each the best of their own reps, not paired rounds.
+            round_ratio_median: None,
         });
     }
     drop(engine);

@@ -39,17 +39,18 @@ fn main() {
         }
     };
     println!(
-        "{:>10} {:>6} {:>9} {:>9} {:>7}",
-        "path", "chunk", "raw tcp", "p2p", "ratio"
+        "{:>10} {:>6} {:>9} {:>9} {:>7} {:>7}",
+        "path", "chunk", "raw tcp", "p2p", "ratio", "median"
     );
     for row in rows {
         println!(
-            "{:>10} {:>4}Mi {:>9.2} {:>9.2} {:>7.2}",
+            "{:>10} {:>4}Mi {:>9.2} {:>9.2} {:>7.2} {:>7.2}",
             row.op,
             row.chunk_bytes >> 20,
             row.ceiling_gib_per_s,
             row.gib_per_s,
-            row.ratio()
+            row.ratio(),
+            row.round_ratio_median.unwrap_or(0.0)
         );
     }
 }
