@@ -151,12 +151,13 @@ fn the_next_jobs_get_goes_out_while_the_current_answer_streams() {
     let addr = listener.local_addr().expect("addr");
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let peer = std::thread::spawn(move || -> Result<(), String> {
+        // Both jobs are queued before the client's handshake completes.
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
         let mut raw = accept_handshaken(&listener);
         expect_get(&mut raw, &[0, 1], "first request")?;
-        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
         send_good(&mut raw, 0);
-        // The client, reading chunk 0, finds job 2 queued and asks for it now: before the
-        // answer to job 1 is complete (Raw reads time out after 5 s).
+        // The client asks for job 2 before the answer to job 1 is complete (Raw reads time out
+        // after 5 s).
         expect_get(&mut raw, &[2, 3], "before job 1's answer ended")?;
         send_good(&mut raw, 1);
         raw.send(&Frame::End { sent: 2 });
@@ -212,19 +213,14 @@ fn a_job_cancelled_after_its_get_went_ahead_leaves_no_stray_answer() {
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let (asked_tx, asked_rx) = mpsc::channel::<()>();
     let peer = std::thread::spawn(move || -> Result<(), String> {
+        // Both jobs are queued before the client's handshake completes.
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
         let mut raw = accept_handshaken(&listener);
         expect_get(&mut raw, &[0], "first request")?;
-        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
-        // Half of chunk 0, so that the client is mid-answer when it looks at its queue.
-        let bytes = tier_testkit::pattern(common::seed(0), BYTES as usize);
-        let mut prefix = Vec::new();
-        encode_data_prefix(common::key(0), checksum(&bytes), bytes.len(), &mut prefix);
-        raw.send_bytes(&prefix);
-        raw.send_bytes(&bytes[..bytes.len() / 2]);
         expect_get(&mut raw, &[1], "job 2, ahead")?;
         asked_tx.send(()).map_err(|e| format!("asked: {e}"))?;
         go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
-        raw.send_bytes(&bytes[bytes.len() / 2..]);
+        send_good(&mut raw, 0);
         raw.send(&Frame::End { sent: 1 });
         // Job 2 was cancelled meanwhile, but its answer was asked for: send it, unless the
         // client has already closed the connection.
