@@ -5,10 +5,11 @@
 //!
 //! GETs are pipelined one ahead, so at most two requests are in flight per peer: the next batch's
 //! GET goes out before the current batch's answer is read, and while the last answer of a job
-//! arrives, the first GET of the next queued load job (its local copies done early) goes out too,
-//! if that GET is for the same peer. The peer answers requests in order, so it streams on without
-//! waiting a round trip between batches and jobs. A job that stops before reading an answer sent
-//! ahead for it drops that connection.
+//! arrives, the first GET of the next queued load job goes out too, if that GET is for the same
+//! peer (which of its chunks are published here is predicted; the local copies wait for its
+//! turn). The peer answers requests in order, so it streams on without waiting a round trip
+//! between batches and jobs. A job that stops before reading an answer sent ahead for it, or
+//! whose first batch turned out other than predicted, drops that connection.
 //!
 //! A peer that fails (connect, handshake, timeout, bad frame, closed mid-transfer) is marked down
 //! and skipped until a backoff that doubles with each consecutive failure has passed; then it is
@@ -28,7 +29,7 @@ use crate::frame::{Frame, FrameError, FrameKind, DATA_PREFIX_BYTES};
 use crate::handshake;
 use crate::shared::{lock, log, Shared};
 use crate::stats::{add, PeerStatus};
-use crate::worker::{copy_local, Control, Work};
+use crate::worker::{copy_local, published, Control, Work};
 
 /// Bytes of a payload received before they are hashed (small enough to stay in cache).
 pub(crate) const HASH_PIECE_BYTES: usize = 256 * 1024;
@@ -66,12 +67,6 @@ pub(crate) struct LookupAnswer {
 struct Ahead {
     job: JobId,
     keys: Vec<ChunkKey>,
-}
-
-/// A command taken from the queue, load jobs with their local copies done.
-enum Queued {
-    Lookup(Vec<ChunkKey>),
-    Load(Work, Vec<bool>),
 }
 
 /// One configured peer.
@@ -117,7 +112,7 @@ pub(crate) struct Client {
     scratch: Vec<u8>,
     commands: Receiver<ClientCommand>,
     /// The command taken from `commands` ahead of its turn (to send its GET early), run next.
-    next: Option<Queued>,
+    next: Option<ClientCommand>,
 }
 
 impl Client {
@@ -162,20 +157,20 @@ impl Client {
     /// The worker's loop; returns when the tier drops its sender.
     pub(crate) fn run(mut self, done: &Sender<TierCompletion>, answers: &Sender<LookupAnswer>) {
         loop {
-            let queued = match self.next.take() {
-                Some(queued) => queued,
+            let command = match self.next.take() {
+                Some(command) => command,
                 None => match self.commands.recv() {
-                    Ok(command) => self.take(command),
+                    Ok(command) => command,
                     Err(_) => break,
                 },
             };
-            let sent = match queued {
-                Queued::Lookup(keys) if self.control.shutting_down() => {
+            let sent = match command {
+                ClientCommand::Lookup(keys) if self.control.shutting_down() => {
                     let holders = vec![None; keys.len()];
                     answers.send(LookupAnswer { keys, holders }).is_ok()
                 }
-                Queued::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
-                Queued::Load(work, local) => done.send(self.load(&work, local)).is_ok(),
+                ClientCommand::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
+                ClientCommand::Load(work) => done.send(self.load(&work)).is_ok(),
             };
             if !sent {
                 break;
@@ -227,25 +222,14 @@ impl Client {
         LookupAnswer { keys, holders }
     }
 
-    /// A command taken from the queue: a load job gets its local copies now (which chunks are
-    /// left for the peers is known before its turn).
-    fn take(&self, command: ClientCommand) -> Queued {
-        match command {
-            ClientCommand::Lookup(keys) => Queued::Lookup(keys),
-            ClientCommand::Load(work) => {
-                let local = work
-                    .chunks
-                    .iter()
-                    .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
-                    .collect();
-                Queued::Load(work, local)
-            }
-        }
-    }
-
-    /// Runs a load job whose local copies `done` holds: GETs to the peers (those a lookup named
-    /// first) until every chunk is loaded, the job is cancelled, or its deadline passes.
-    fn load(&mut self, work: &Work, mut done: Vec<bool>) -> TierCompletion {
+    /// Runs a load job: local copies, then GETs to the peers (those a lookup named first) until
+    /// every chunk is loaded, the job is cancelled, or its deadline passes.
+    fn load(&mut self, work: &Work) -> TierCompletion {
+        let mut done: Vec<bool> = work
+            .chunks
+            .iter()
+            .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
+            .collect();
         for p in self.peer_order(work, &done) {
             if done.iter().all(|&d| d) || self.control.stopped(work.id) {
                 break;
@@ -318,7 +302,8 @@ impl Client {
         let mut asked = match sent_ahead {
             Some(true) => 1,
             Some(false) => {
-                // Not this job's (it never happens): the stream carries an answer we do not want.
+                // A chunk was published or evicted here since the GET went ahead, so it asked
+                // for other chunks than this batch: drop the stream that carries its answer.
                 self.disconnect(p);
                 if !self.ready(p, work.deadline) {
                     return Ok(());
@@ -379,8 +364,11 @@ impl Client {
 
     /// While the last answer of a job streams in from peer `p`: takes the next command from the
     /// queue if there is one (once), and if it is a load job whose first GET would go to `p`,
-    /// sends that GET now, so `p` goes on to it without waiting a round trip. Not for a job that
-    /// NIXL would fetch (that starts with a NIXL_GET), nor for a large first batch.
+    /// sends that GET now, so `p` goes on to it without waiting a round trip. Which of its chunks
+    /// are left for the peers is predicted from what is published here: its local copies (a
+    /// checksum and a copy each) wait for its turn, rather than hold up this job's stream. Not
+    /// for a job that NIXL would fetch (that starts with a NIXL_GET), nor for a large first
+    /// batch.
     fn ask_ahead(&mut self, p: usize) -> Result<(), P2pError> {
         if self.next.is_some() {
             return Ok(());
@@ -388,12 +376,18 @@ impl Client {
         let Ok(command) = self.commands.try_recv() else {
             return Ok(());
         };
-        let queued = self.take(command);
-        let ahead = match &queued {
-            Queued::Load(work, local) => self.first_get(p, work, local),
-            Queued::Lookup(_) => None,
+        let ahead = match &command {
+            ClientCommand::Load(work) => {
+                let local: Vec<bool> = work
+                    .chunks
+                    .iter()
+                    .map(|&(key, _, _)| published(&self.shared, key))
+                    .collect();
+                self.first_get(p, work, &local)
+            }
+            ClientCommand::Lookup(_) => None,
         };
-        self.next = Some(queued);
+        self.next = Some(command);
         if let Some(ahead) = ahead {
             self.conn(p)
                 .send(&Frame::Get(ahead.keys.clone()), "send GET")?;
@@ -403,8 +397,8 @@ impl Client {
         Ok(())
     }
 
-    /// The first GET of queued load job `work` (local copies `done`), if it goes to peer `p`
-    /// and may be sent ahead.
+    /// The first GET of queued load job `work` (chunks published here: `done`), if it goes to
+    /// peer `p` and may be sent ahead.
     fn first_get(&self, p: usize, work: &Work, done: &[bool]) -> Option<Ahead> {
         #[cfg(feature = "nixl")]
         if self.nixl_usable(p, work, done) {

@@ -186,7 +186,8 @@ pub(crate) fn copy_local(
     true
 }
 
-/// Whether a key is published here (for routing a load to the local worker).
+/// Whether a key is published here (for routing a load to the local worker, and for predicting
+/// which chunks of a queued load the client will ask its peers for).
 pub(crate) fn published(shared: &Arc<Shared>, key: ChunkKey) -> bool {
     lock(&shared.store).contains(key)
 }

@@ -1,7 +1,7 @@
 //! Behaviour of the peer tier beyond the conformance suite: lookups batched per poll, LRU
 //! eviction of published chunks, integrity checks on fetched bytes (a bad checksum or length is
-//! never loaded), GETs pipelined across jobs (and a cancelled job's answer never read as another
-//! job's), idle connections replaced before the peer drops them, and a shutdown that does not
+//! never loaded), GETs pipelined within and across jobs (and an answer sent ahead for a job that
+//! stopped, or for chunks since evicted here, never read as another request's), idle connections replaced before the peer drops them, and a shutdown that does not
 //! wait for a stalled peer's deadline.
 
 mod common;
@@ -117,9 +117,23 @@ fn fake_peer(
     (addr, thread)
 }
 
-/// Accepts the next client connection and answers its handshake (no secret).
+/// Accepts the next client connection (within [`WAIT`], so that a client that never comes fails
+/// the test instead of hanging it) and answers its handshake (no secret).
 fn accept_handshaken(listener: &TcpListener) -> Raw {
-    let (stream, _) = listener.accept().expect("accept");
+    listener
+        .set_nonblocking(true)
+        .expect("nonblocking listener");
+    let start = Instant::now();
+    let stream = loop {
+        match listener.accept() {
+            Ok((stream, _)) => break stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && start.elapsed() < WAIT => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("no client connection within {WAIT:?}: {e}"),
+        }
+    };
+    stream.set_nonblocking(false).expect("blocking stream");
     let mut raw = Raw::new(stream);
     let Ok(Frame::Hello(hello)) = raw.recv() else {
         panic!("client opens with HELLO");
@@ -167,7 +181,7 @@ fn the_next_jobs_get_goes_out_while_the_current_answer_streams() {
         raw.errors_until_closed();
         Ok(())
     });
-    let (mut b, memory) = instance(vec![addr], |_| {});
+    let (mut b, memory) = instance(vec![addr], |c| c.handshake_deadline = WAIT);
     common::submit_load(&mut b, JobId(1), &[0, 1], 0, BYTES);
     common::submit_load(&mut b, JobId(2), &[2, 3], 2, BYTES);
     go_tx.send(()).expect("peer waits");
@@ -247,7 +261,7 @@ fn a_job_cancelled_after_its_get_went_ahead_leaves_no_stray_answer() {
         raw.errors_until_closed();
         Ok(())
     });
-    let (mut b, memory) = instance(vec![addr], |_| {});
+    let (mut b, memory) = instance(vec![addr], |c| c.handshake_deadline = WAIT);
     common::submit_load(&mut b, JobId(1), &[0], 0, BYTES);
     common::submit_load(&mut b, JobId(2), &[1], 1, BYTES);
     go_tx.send(()).expect("peer waits");
@@ -269,6 +283,66 @@ fn a_job_cancelled_after_its_get_went_ahead_leaves_no_stray_answer() {
     common::expect_loaded(&*memory, &[0], 0, BYTES);
     common::expect_loaded(&*memory, &[2], 2, BYTES);
     assert_eq!(b.stats().peer_failures, 0, "{:?}", b.peer_status());
+}
+
+#[test]
+fn a_get_sent_ahead_for_chunks_since_evicted_here_is_dropped_not_misread() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (go_tx, go_rx) = mpsc::channel::<()>();
+    let (asked_tx, asked_rx) = mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || -> Result<(), String> {
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+        let mut raw = accept_handshaken(&listener);
+        expect_get(&mut raw, &[5], "job 1")?;
+        // Chunk 1 of job 2 is published at the client, so only chunk 6 is asked for ahead.
+        expect_get(&mut raw, &[6], "job 2, ahead")?;
+        asked_tx.send(()).map_err(|e| format!("asked: {e}"))?;
+        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+        send_good(&mut raw, 5);
+        raw.send(&Frame::End { sent: 1 });
+        // The answer to the GET sent ahead, unless the client has already closed the connection.
+        let bytes = tier_testkit::pattern(common::seed(6), BYTES as usize);
+        let mut answer = Vec::new();
+        encode_data_prefix(common::key(6), checksum(&bytes), bytes.len(), &mut answer);
+        answer.extend_from_slice(&bytes);
+        Frame::End { sent: 1 }.encode(&mut answer);
+        if std::io::Write::write_all(&mut raw.stream, &answer).is_ok() {
+            raw.errors_until_closed();
+        }
+        // Chunk 1 was evicted before job 2's turn: it asks for both, on a fresh connection.
+        let mut raw = accept_handshaken(&listener);
+        expect_get(&mut raw, &[1, 6], "job 2, new connection")?;
+        send_good(&mut raw, 1);
+        send_good(&mut raw, 6);
+        raw.send(&Frame::End { sent: 2 });
+        raw.errors_until_closed();
+        Ok(())
+    });
+    let (mut b, memory) = instance(vec![addr], |c| {
+        c.published_bytes_max = 2 * BYTES as usize;
+        c.handshake_deadline = WAIT;
+    });
+    common::publish(&mut b, &memory, 2, BYTES);
+    common::submit_load(&mut b, JobId(1), &[5], 4, BYTES);
+    common::submit_load(&mut b, JobId(2), &[1, 6], 5, BYTES);
+    go_tx.send(()).expect("peer waits");
+    asked_rx.recv_timeout(WAIT).expect("job 2's GET went ahead");
+    // Publishing chunks 2 and 3 evicts chunks 0 and 1 (least recently used first).
+    common::publish(&mut b, &memory, 4, BYTES);
+    assert!(!b.is_published(common::key(1)));
+    go_tx.send(()).expect("peer waits");
+    let done = common::wait_all(&mut b, &[JobId(1), JobId(2)], WAIT);
+    b.shutdown();
+    peer.join().expect("fake peer").expect("fake peer's script");
+    assert!(done.iter().all(TierCompletion::is_success), "{done:?}");
+    common::expect_loaded(&*memory, &[5, 1, 6], 4, BYTES);
+    let stats = b.stats();
+    assert_eq!(
+        (stats.chunks_fetched, stats.peer_failures),
+        (3, 0),
+        "{stats:?}"
+    );
 }
 
 fn send_chunk(raw: &mut Raw, key: ChunkKey, sum: u64, payload: &[u8]) {
