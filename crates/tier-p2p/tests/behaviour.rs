@@ -148,6 +148,47 @@ fn send_good(raw: &mut Raw, index: u64) {
     send_chunk(raw, common::key(index), checksum(&bytes), &bytes);
 }
 
+/// Answers a GET of chunk `index` (its DATA and END), unless the client has already closed the
+/// connection (it may drop a stream whose answer it no longer wants); then waits for the close.
+fn answer_unless_closed(mut raw: Raw, index: u64) {
+    let bytes = tier_testkit::pattern(common::seed(index), BYTES as usize);
+    let mut answer = Vec::new();
+    encode_data_prefix(
+        common::key(index),
+        checksum(&bytes),
+        bytes.len(),
+        &mut answer,
+    );
+    answer.extend_from_slice(&bytes);
+    Frame::End { sent: 1 }.encode(&mut answer);
+    if std::io::Write::write_all(&mut raw.stream, &answer).is_ok() {
+        raw.errors_until_closed();
+    }
+}
+
+/// A fake peer's first connection for two queued one-chunk jobs: waits for `go` (both jobs
+/// queued), then the handshake, job 1's GET of chunk `first` and job 2's GET sent ahead of chunk
+/// `ahead`; says so on `asked`; waits for `go` again, then answers both (the second unless the
+/// client has closed the connection meanwhile).
+fn serve_one_then_one_ahead(
+    listener: &TcpListener,
+    go: &mpsc::Receiver<()>,
+    asked: &mpsc::Sender<()>,
+    first: u64,
+    ahead: u64,
+) -> Result<(), String> {
+    go.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+    let mut raw = accept_handshaken(listener);
+    expect_get(&mut raw, &[first], "job 1")?;
+    expect_get(&mut raw, &[ahead], "job 2, ahead")?;
+    asked.send(()).map_err(|e| format!("asked: {e}"))?;
+    go.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
+    send_good(&mut raw, first);
+    raw.send(&Frame::End { sent: 1 });
+    answer_unless_closed(raw, ahead);
+    Ok(())
+}
+
 /// Receives the next frame, which must be a GET of chunks `indices`.
 fn expect_get(raw: &mut Raw, indices: &[u64], when: &str) -> Result<(), String> {
     let want: Vec<ChunkKey> = indices.iter().map(|&i| common::key(i)).collect();
@@ -227,25 +268,8 @@ fn a_job_cancelled_after_its_get_went_ahead_leaves_no_stray_answer() {
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let (asked_tx, asked_rx) = mpsc::channel::<()>();
     let peer = std::thread::spawn(move || -> Result<(), String> {
-        // Both jobs are queued before the client's handshake completes.
-        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
-        let mut raw = accept_handshaken(&listener);
-        expect_get(&mut raw, &[0], "first request")?;
-        expect_get(&mut raw, &[1], "job 2, ahead")?;
-        asked_tx.send(()).map_err(|e| format!("asked: {e}"))?;
-        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
-        send_good(&mut raw, 0);
-        raw.send(&Frame::End { sent: 1 });
-        // Job 2 was cancelled meanwhile, but its answer was asked for: send it, unless the
-        // client has already closed the connection.
-        let bytes = tier_testkit::pattern(common::seed(1), BYTES as usize);
-        let mut answer = Vec::new();
-        encode_data_prefix(common::key(1), checksum(&bytes), bytes.len(), &mut answer);
-        answer.extend_from_slice(&bytes);
-        Frame::End { sent: 1 }.encode(&mut answer);
-        if std::io::Write::write_all(&mut raw.stream, &answer).is_ok() {
-            raw.errors_until_closed();
-        }
+        // Job 2 is cancelled while its GET is ahead, but its answer was asked for.
+        serve_one_then_one_ahead(&listener, &go_rx, &asked_tx, 0, 1)?;
         // What comes next (a lookup, then job 3) must come on a fresh connection: the old one
         // still carried job 2's answer.
         let mut raw = accept_handshaken(&listener);
@@ -292,24 +316,8 @@ fn a_get_sent_ahead_for_chunks_since_evicted_here_is_dropped_not_misread() {
     let (go_tx, go_rx) = mpsc::channel::<()>();
     let (asked_tx, asked_rx) = mpsc::channel::<()>();
     let peer = std::thread::spawn(move || -> Result<(), String> {
-        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
-        let mut raw = accept_handshaken(&listener);
-        expect_get(&mut raw, &[5], "job 1")?;
         // Chunk 1 of job 2 is published at the client, so only chunk 6 is asked for ahead.
-        expect_get(&mut raw, &[6], "job 2, ahead")?;
-        asked_tx.send(()).map_err(|e| format!("asked: {e}"))?;
-        go_rx.recv_timeout(WAIT).map_err(|e| format!("go: {e}"))?;
-        send_good(&mut raw, 5);
-        raw.send(&Frame::End { sent: 1 });
-        // The answer to the GET sent ahead, unless the client has already closed the connection.
-        let bytes = tier_testkit::pattern(common::seed(6), BYTES as usize);
-        let mut answer = Vec::new();
-        encode_data_prefix(common::key(6), checksum(&bytes), bytes.len(), &mut answer);
-        answer.extend_from_slice(&bytes);
-        Frame::End { sent: 1 }.encode(&mut answer);
-        if std::io::Write::write_all(&mut raw.stream, &answer).is_ok() {
-            raw.errors_until_closed();
-        }
+        serve_one_then_one_ahead(&listener, &go_rx, &asked_tx, 5, 6)?;
         // Chunk 1 was evicted before job 2's turn: it asks for both, on a fresh connection.
         let mut raw = accept_handshaken(&listener);
         expect_get(&mut raw, &[1, 6], "job 2, new connection")?;
