@@ -2,8 +2,9 @@
 //! same run: a thin command-line wrapper over [`tier_p2p::bench::run`].
 //!
 //! Usage: `cargo run --release -p tier-p2p --example p2p_bench -- [--total-mib N] [--rounds N]
-//! [--chunk-mib N] [--nixl]` (`--chunk-mib` measures that one chunk size) (`--nixl` also measures the NIXL data plane: build with `--features nixl` and make
-//! the NIXL library findable, see `tier_p2p::nixl`).
+//! [--chunk-mib N] [--nixl]`. `--chunk-mib` measures that one chunk size only; `--nixl` also
+//! measures the NIXL data plane (build with `--features nixl` and make the NIXL library
+//! findable, see `tier_p2p::nixl`).
 
 use tier_p2p::bench::{self, P2pBenchConfig};
 

@@ -13,8 +13,8 @@
 //! loads them over loopback (one connection, jobs of several chunks, two jobs in flight, every
 //! chunk received straight into B's slots and verified by checksum). Rounds alternate raw and
 //! tier (raw first in even rounds, last in odd ones) so that drift in the machine hits both
-//! alike; the best round of each is reported, and the progress line also gives the median of
-//! each round's own tier/raw ratio, which a swing of the machine between rounds cannot move the
+//! alike; each row has the best round of each, and the median of each round's own tier/raw
+//! ratio (`round_ratio_median`), which a swing of the machine between rounds cannot move the
 //! way it moves a best-of. With the `nixl` feature and `nixl` set, a second fetching instance
 //! moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling). `kvtier bench p2p`
 //! and the `p2p_bench` example call [`run`].
@@ -47,9 +47,9 @@ pub struct P2pBenchConfig {
     /// The chunk sizes to measure, in bytes; each is one row.
     pub chunk_bytes: Vec<usize>,
     /// Alternating raw/tier rounds per chunk size; the best of each is reported (and the median
-    /// of the rounds' own ratios shown). Loopback throughput here swings by tens of percent
-    /// from one pass to the next: with 5 or 10 rounds a run's ratios moved by up to 0.2 from one
-    /// run to the next, with 30 by a few hundredths.
+    /// of the rounds' own ratios). Loopback throughput here swings by tens of percent from one
+    /// pass to the next: with 5 or 10 rounds a size's ratios moved by up to 0.2 from one run to
+    /// the next; with 30 its medians moved by a few hundredths and its best-of by up to 0.1.
     pub rounds: usize,
     /// Host slots on the fetching side; two jobs of half of them each are in flight.
     pub slot_count: u32,

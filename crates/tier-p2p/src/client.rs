@@ -574,6 +574,13 @@ impl Client {
 
     /// Drops peer `p`'s connection without counting a failure.
     fn disconnect(&mut self, p: usize) {
+        self.close(p);
+        self.report(p, None);
+    }
+
+    /// Closes peer `p`'s connection, if any, with everything that belongs to it (NIXL state, a
+    /// GET sent ahead).
+    fn close(&mut self, p: usize) {
         #[cfg(feature = "nixl")]
         self.forget_nixl(p);
         self.peers[p].ahead = None;
@@ -581,18 +588,11 @@ impl Client {
             conn.shutdown();
             self.control.unregister(p);
         }
-        self.report(p, None);
     }
 
     /// Marks peer `p` down after `error`, until its backoff has passed.
     fn fail(&mut self, p: usize, error: &P2pError) {
-        #[cfg(feature = "nixl")]
-        self.forget_nixl(p);
-        self.peers[p].ahead = None;
-        if let Some(conn) = self.peers[p].conn.take() {
-            conn.shutdown();
-            self.control.unregister(p);
-        }
+        self.close(p);
         let config = &self.shared.config;
         let peer = &mut self.peers[p];
         peer.failures = peer.failures.saturating_add(1);
