@@ -124,10 +124,64 @@ impl KvModel {
     /// Writes the KV bytes of the token with prefix hash `hash` into `out` (one token's bytes).
     pub fn token_kv(&self, hash: u64, out: &mut [u8]) {
         let mut rng = SplitMix64::new(hash);
-        for piece in out.chunks_mut(8) {
-            let word = rng.next_u64().to_le_bytes();
-            piece.copy_from_slice(&word[..piece.len()]);
+        let mut words = out.chunks_exact_mut(8);
+        for word in &mut words {
+            word.copy_from_slice(&rng.next_u64().to_le_bytes());
         }
+        let rest = words.into_remainder();
+        if !rest.is_empty() {
+            let word = rng.next_u64().to_le_bytes();
+            rest.copy_from_slice(&word[..rest.len()]);
+        }
+    }
+
+    /// Whether `got` (one token's bytes) holds the KV bytes of the token with prefix hash
+    /// `hash`: [`KvModel::token_kv`] compared word by word, without a buffer.
+    pub fn token_kv_matches(&self, hash: u64, got: &[u8]) -> bool {
+        let mut rng = SplitMix64::new(hash);
+        let mut words = got.chunks_exact(8);
+        for word in &mut words {
+            if word != rng.next_u64().to_le_bytes() {
+                return false;
+            }
+        }
+        let rest = words.remainder();
+        rest.is_empty() || rest == &rng.next_u64().to_le_bytes()[..rest.len()]
+    }
+
+    /// Whether `got` (a whole block's bytes) holds the KV bytes of block `j` of `chain` within
+    /// the byte range `range` of the block, for the tokens that exist. `scratch` is reused.
+    pub fn block_kv_matches(
+        &self,
+        chain: &TokenChain,
+        j: u32,
+        got: &[u8],
+        range: std::ops::Range<usize>,
+        scratch: &mut Vec<u8>,
+    ) -> bool {
+        let first = j * self.tokens_per_block;
+        let end = (first + self.tokens_per_block).min(chain.len());
+        let width = self.token_bytes();
+        for t in first..end {
+            let at = self.offset_in_block(t);
+            let (lo, hi) = (at.max(range.start), (at + width).min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            let hash = chain.token_hash(t);
+            if lo == at && hi == at + width {
+                if !self.token_kv_matches(hash, &got[at..hi]) {
+                    return false;
+                }
+                continue;
+            }
+            scratch.resize(width, 0);
+            self.token_kv(hash, scratch);
+            if got[lo..hi] != scratch[lo - at..hi - at] {
+                return false;
+            }
+        }
+        true
     }
 
     /// Byte offset of token `t` within its block.
@@ -225,6 +279,40 @@ mod tests {
         let mut token = vec![0u8; 16];
         m.token_kv(chain.token_hash(5), &mut token);
         assert_eq!(out[16..32], token[..]);
+    }
+
+    #[test]
+    fn matching_agrees_with_the_written_bytes() {
+        // 20 bytes per token: the last word of each token is a partial one.
+        let m = KvModel {
+            tokens_per_block: 4,
+            block_bytes: 80,
+        };
+        let chain = TokenChain::new(&[7, 8, 9, 10, 11]);
+        let mut block = vec![0u8; 80];
+        m.block_kv(&chain, 0, &mut block);
+        let mut scratch = Vec::new();
+        assert!(m.block_kv_matches(&chain, 0, &block, 0..80, &mut scratch));
+        assert!(m.block_kv_matches(&chain, 0, &block, 30..50, &mut scratch));
+        assert!(m.token_kv_matches(chain.token_hash(2), &block[40..60]));
+        for at in [0, 19, 35, 79] {
+            let mut bad = block.clone();
+            bad[at] ^= 1;
+            assert!(
+                !m.block_kv_matches(&chain, 0, &bad, 0..80, &mut scratch),
+                "byte {at}"
+            );
+            let token = at / 20;
+            assert!(!m.token_kv_matches(
+                chain.token_hash(token as u32),
+                &bad[token * 20..token * 20 + 20]
+            ));
+        }
+        // A flipped byte outside the range is not looked at.
+        let mut bad = block.clone();
+        bad[10] ^= 1;
+        assert!(m.block_kv_matches(&chain, 0, &bad, 20..80, &mut scratch));
+        assert!(!m.block_kv_matches(&chain, 0, &bad, 5..25, &mut scratch));
     }
 
     #[test]

@@ -250,7 +250,7 @@ impl<C: EngineConnector> Sim<C> {
         };
         let shard = self.workers[c.worker as usize].shard();
         let bb = self.cfg.block_bytes as usize;
-        let mut expected = vec![0u8; bb];
+        let mut scratch = Vec::new();
         let mut bad = None;
         for t in &c.job.transfers {
             let r = &self.reqs[idx];
@@ -261,10 +261,12 @@ impl<C: EngineConnector> Sim<C> {
             for i in 0..t.gpu_blocks.len() {
                 let in_chunk = t.first_block_in_chunk as usize + i;
                 let b = p.chunk_start + in_chunk as u32;
-                self.model.block_kv(&r.chain, b, &mut expected);
                 let range = shard.offset..shard.offset + shard.len;
                 let got = &slot[in_chunk * bb..(in_chunk + 1) * bb];
-                if got[range.clone()] != expected[range] {
+                if !self
+                    .model
+                    .block_kv_matches(&r.chain, b, got, range, &mut scratch)
+                {
                     bad = Some((b, t.gpu_blocks[i].0));
                 }
             }
@@ -282,13 +284,17 @@ impl<C: EngineConnector> Sim<C> {
     /// A load succeeded: every loaded block must hold the model's bytes for that block.
     pub(super) fn verify_loaded(&mut self, idx: usize, local: u32, ext: u32) {
         let tpb = self.cfg.tokens_per_block;
-        let mut expected = vec![0u8; self.cfg.block_bytes as usize];
+        let bb = self.cfg.block_bytes as usize;
+        let mut scratch = Vec::new();
         let r = &self.reqs[idx];
         let mut bad = Vec::new();
         for b in local / tpb..(local + ext) / tpb {
-            self.model.block_kv(&r.chain, b, &mut expected);
             let g = r.blocks[b as usize];
-            if self.gpu.block(g) != expected.as_slice() {
+            let got = self.gpu.block(g);
+            if !self
+                .model
+                .block_kv_matches(&r.chain, b, got, 0..bb, &mut scratch)
+            {
                 bad.push((b, g.0));
             }
         }
@@ -310,15 +316,15 @@ impl<C: EngineConnector> Sim<C> {
     pub(super) fn verify_request_kv(&mut self, idx: usize, when: &str) {
         let tpb = self.cfg.tokens_per_block;
         let width = self.model.token_bytes();
-        let mut expected = vec![0u8; width];
         let r = &self.reqs[idx];
         let bad = (0..r.num_computed).find(|&t| {
             let Some(&g) = r.blocks.get((t / tpb) as usize) else {
                 return true;
             };
-            self.model.token_kv(r.chain.token_hash(t), &mut expected);
             let at = self.model.offset_in_block(t);
-            self.gpu.block(g)[at..at + width] != expected[..]
+            !self
+                .model
+                .token_kv_matches(r.chain.token_hash(t), &self.gpu.block(g)[at..at + width])
         });
         if let Some(t) = bad {
             self.report.gpu_corruptions += 1;
