@@ -145,13 +145,22 @@ fn print_summary(r: &engine_sim::SimReport, args: &Args) {
     println!("  prompt tokens  {}", r.prompt_tokens);
     println!(
         "    from GPU prefix cache  {:>8} ({:.1}%)",
-        r.tokens_gpu_cached,
-        pct(r.tokens_gpu_cached)
+        r.prompt_tokens_gpu_cached,
+        pct(r.prompt_tokens_gpu_cached)
     );
     println!(
         "    loaded by kvtier       {:>8} ({:.1}%)",
-        r.tokens_loaded,
-        pct(r.tokens_loaded)
+        r.prompt_tokens_loaded,
+        pct(r.prompt_tokens_loaded)
+    );
+    println!(
+        "    computed               {:>8} ({:.1}%)",
+        r.prompt_tokens_computed,
+        pct(r.prompt_tokens_computed)
+    );
+    println!(
+        "    after preemptions: {} from the GPU cache again, {} loaded again, {} computed again",
+        r.tokens_gpu_cached_again, r.tokens_loaded_again, r.tokens_recomputed
     );
     println!(
         "  jobs           {} loads ok, {} failed; {} stores ({} chunks), {} flushed",

@@ -24,6 +24,7 @@ pub mod gpu;
 pub mod host;
 pub mod model;
 pub mod report;
+pub mod reuse;
 pub mod rng;
 pub mod scenario;
 pub mod sim;
@@ -36,7 +37,7 @@ pub use self::connector::{EngineConnector, KvHandle, KvScheduler, NullConnector}
 pub use checked::{CheckedManager, ManagerCall};
 pub use config::{OutputOrder, SimConfig};
 pub use host::{CopyDirection, CopyEngine, HostPathEngine, MemcpyEngine};
-pub use report::{SimError, SimReport};
+pub use report::{SimError, SimReport, TokenSplit};
 pub use sim::{Phase, RequestView, Sim, StepSummary};
 pub use worker::{Worker, WorkerFaults};
 pub use workload::{RequestSpec, SharedPrefix, SharedPrefixSpec, Workload};

@@ -8,6 +8,25 @@ use serde::Serialize;
 /// Most failure messages a report keeps (the counters keep counting).
 pub const FAILURES_KEPT_MAX: usize = 32;
 
+/// Where one request's prompt KV came from, each prompt position counted once, the first time
+/// it had KV. For a finished request the three parts sum to its prompt length.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TokenSplit {
+    /// From the GPU prefix cache (blocks other requests computed).
+    pub gpu_cached: u32,
+    /// Loaded by kvtier.
+    pub loaded: u32,
+    /// Computed by the engine.
+    pub computed: u32,
+}
+
+impl TokenSplit {
+    /// The three parts summed.
+    pub fn total(&self) -> u32 {
+        self.gpu_cached + self.loaded + self.computed
+    }
+}
+
 /// Counters and findings of a simulation.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SimReport {
@@ -25,12 +44,40 @@ pub struct SimReport {
     pub prompt_tokens: u64,
     /// Tokens sampled (and kept).
     pub output_tokens: u64,
-    /// Tokens the engine computed (prefill, decode and recompute).
+    /// Prompt tokens the workload lets a cache serve at best: per request, the longest prefix of
+    /// full blocks an earlier-arriving request also had, short of its last token.
+    /// `prompt_tokens_hit()` stays within it (but for reorderings: a request that waits while a
+    /// later one computes their shared prefix).
+    pub prompt_tokens_reusable: u64,
+    /// Prompt tokens whose KV first came from the GPU prefix cache (blocks other requests
+    /// computed). With [`SimReport::prompt_tokens_loaded`], [`SimReport::prompt_tokens_computed`]
+    /// and [`SimReport::prompt_tokens_unserved`] it splits `prompt_tokens` exactly: each prompt
+    /// position of each request is counted once, by where its KV came from the first time.
+    pub prompt_tokens_gpu_cached: u64,
+    /// Prompt tokens whose KV first came from a kvtier load.
+    pub prompt_tokens_loaded: u64,
+    /// Prompt tokens whose KV was first computed by the engine.
+    pub prompt_tokens_computed: u64,
+    /// Prompt tokens of aborted requests that never had KV (the split's remainder).
+    pub prompt_tokens_unserved: u64,
+    /// Tokens the engine computed in all: `prompt_tokens_computed + decode_tokens_computed +
+    /// tokens_recomputed`.
     pub tokens_computed: u64,
-    /// Tokens the GPU prefix cache provided when a waiting request was scheduled.
-    pub tokens_gpu_cached: u64,
-    /// Tokens loaded from the offload (successful loads).
+    /// Tokens past the prompt computed for the first time (decode, and the sampled tokens a
+    /// chunk carries).
+    pub decode_tokens_computed: u64,
+    /// Tokens past the prompt that first had KV from the GPU prefix cache or a kvtier load (a
+    /// preempted request finding output blocks that another request with the same tokens
+    /// computed; rare).
+    pub decode_tokens_reused: u64,
+    /// Tokens loaded by successful kvtier loads, in all: `prompt_tokens_loaded +
+    /// tokens_loaded_again` plus the loaded part of `decode_tokens_reused`.
     pub tokens_loaded: u64,
+    /// Tokens a request had had before (lost to preemption) that the GPU prefix cache gave back
+    /// (vLLM counts these as preempted prefix-cache hits, apart from the others).
+    pub tokens_gpu_cached_again: u64,
+    /// Tokens a request had had before that a kvtier load gave back.
+    pub tokens_loaded_again: u64,
     /// Computed tokens whose KV the request had had before (lost to preemption).
     pub tokens_recomputed: u64,
     /// Tokens a failed or cancelled load should have provided (computed instead).
@@ -83,6 +130,12 @@ impl SimReport {
             && self.store_mismatches == 0
             && self.gpu_corruptions == 0
             && self.invariant_failures == 0
+    }
+
+    /// Prompt tokens served without compute the first time: from the GPU prefix cache or loaded
+    /// by kvtier. Never more than the workload's own prefix reuse allows.
+    pub fn prompt_tokens_hit(&self) -> u64 {
+        self.prompt_tokens_gpu_cached + self.prompt_tokens_loaded
     }
 
     pub(crate) fn note(&mut self, message: String) {

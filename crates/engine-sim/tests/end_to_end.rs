@@ -64,7 +64,7 @@ fn assert_loads(report: &SimReport) {
 fn burst_sync_one_worker() {
     let (r, _) = run(config(false, 1), burst());
     assert_loads(&r);
-    assert!(r.preemptions > 0 && r.tokens_gpu_cached > 0, "{r:?}");
+    assert!(r.preemptions > 0 && r.tokens_gpu_cached_again > 0, "{r:?}");
 }
 
 #[test]

@@ -17,6 +17,8 @@ use offload_core::{
 };
 use serde::Serialize;
 
+use crate::model::{CostModel, Savings};
+
 /// The simulator type every instance runs.
 pub type InstanceSim = Sim<engine_sim::connector::KvHandle<TimedManager>>;
 
@@ -236,22 +238,19 @@ pub struct TierLine {
     pub bytes_stored: u64,
     /// Bytes loaded.
     pub bytes_loaded: u64,
-    /// Tokens whose KV this tier provided (host pool: loaded into the GPU; secondary tiers:
-    /// promoted into the host pool, counted as chunks times tokens per chunk).
+    /// Tokens whose KV this tier provided (host pool: loaded into the GPU, the report's
+    /// `tokens_loaded`; secondary tiers: promoted into the host pool, counted as chunks times
+    /// tokens per chunk, and a promoted chunk may be evicted again before the engine reads it).
     pub tokens_served: u64,
-    /// Bytes stored over the summed time of the store jobs, GB/s (10^9 bytes).
-    pub store_gb_per_s: f64,
-    /// Bytes loaded over the summed time of the load jobs, GB/s.
-    pub load_gb_per_s: f64,
-    /// Nanoseconds of store jobs, summed (for the rate).
-    #[serde(skip)]
-    pub store_ns: u64,
-    /// Nanoseconds of load jobs, summed.
-    #[serde(skip)]
-    pub load_ns: u64,
 }
 
 /// What `kvtier run` and `kvtier replay` report (their `--json` output).
+///
+/// The prompt split is exact: `prompt_tokens = prompt_tokens_gpu_cached + prompt_tokens_loaded +
+/// prompt_tokens_computed + prompt_tokens_unserved`, each prompt position of each request counted
+/// once, where its KV came from the first time. What a request got again after a preemption is
+/// counted apart (`tokens_*_again`, `tokens_recomputed`), and `tokens_computed =
+/// prompt_tokens_computed + decode_tokens_computed + tokens_recomputed`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct RunReport {
     /// Engine instances (`run`: two, peers of each other; `replay`: one).
@@ -260,16 +259,41 @@ pub struct RunReport {
     pub requests_total: u64,
     /// Requests that finished normally.
     pub requests_finished: u64,
+    /// Requests aborted.
+    pub requests_aborted: u64,
     /// Prompt tokens of the requests.
     pub prompt_tokens: u64,
-    /// Prompt tokens loaded from the offload tiers.
-    pub tokens_hit_offload: u64,
-    /// Prompt tokens the engine's own GPU prefix cache had.
-    pub tokens_hit_gpu_cache: u64,
-    /// Tokens the engine computed (prefill, decode and recompute).
-    pub tokens_computed: u64,
-    /// Tokens computed again after a preemption or a failed load.
+    /// Prompt tokens the workload lets a cache serve at best (each request's longest prefix of
+    /// full blocks that an earlier-arriving request also had, short of its last token).
+    pub prompt_tokens_reusable: u64,
+    /// Prompt tokens whose KV first came from the engine's GPU prefix cache.
+    pub prompt_tokens_gpu_cached: u64,
+    /// Prompt tokens whose KV first came from a kvtier load.
+    pub prompt_tokens_loaded: u64,
+    /// Prompt tokens the engine computed (the first time).
+    pub prompt_tokens_computed: u64,
+    /// Prompt tokens of aborted requests that never had KV.
+    pub prompt_tokens_unserved: u64,
+    /// Preemptions.
+    pub preemptions: u64,
+    /// Tokens a preempted request had before and got back from the GPU prefix cache.
+    pub tokens_gpu_cached_again: u64,
+    /// Tokens a preempted request had before and got back from a kvtier load.
+    pub tokens_loaded_again: u64,
+    /// Tokens a preempted request had before and computed again.
     pub tokens_recomputed: u64,
+    /// Tokens past the prompt computed (decode).
+    pub decode_tokens_computed: u64,
+    /// Tokens past the prompt whose KV first came from a cache (another request sampled the same).
+    pub decode_tokens_reused: u64,
+    /// Tokens the engine computed in all.
+    pub tokens_computed: u64,
+    /// Tokens kvtier loaded into the GPU in all (first time, again, and decode reuse).
+    pub tokens_loaded: u64,
+    /// The stated assumptions behind `savings`.
+    pub cost: CostModel,
+    /// What kvtier's loads saved under `cost`.
+    pub savings: Savings,
     /// Engine steps (summed over instances).
     pub steps: u64,
     /// Per tier, summed over instances.
@@ -306,6 +330,11 @@ impl RunReport {
             && self.gpu_corruptions == 0
             && self.invariant_failures == 0
     }
+
+    /// Prompt tokens that were not computed the first time (GPU prefix cache or kvtier).
+    pub fn prompt_tokens_hit(&self) -> u64 {
+        self.prompt_tokens_gpu_cached + self.prompt_tokens_loaded
+    }
 }
 
 fn percentile(sorted: &[u64], p: f64) -> u64 {
@@ -314,14 +343,6 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     }
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
-}
-
-fn rate(bytes: u64, ns: u64) -> f64 {
-    if ns == 0 {
-        0.0
-    } else {
-        bytes as f64 / ns as f64
-    }
 }
 
 fn tier_line<'a>(lines: &'a mut Vec<TierLine>, name: &str) -> &'a mut TierLine {
@@ -338,8 +359,33 @@ fn tier_line<'a>(lines: &'a mut Vec<TierLine>, name: &str) -> &'a mut TierLine {
     &mut lines[i]
 }
 
-/// Sums the finished instances' reports into one.
-pub fn summarize(parts: &[(&InstanceSim, &SimReport)], elapsed_s: f64) -> RunReport {
+/// Adds one simulator's token counters to `r`.
+fn add_tokens(r: &mut RunReport, rep: &SimReport) {
+    r.requests_total += rep.requests_total;
+    r.requests_finished += rep.requests_finished;
+    r.requests_aborted += rep.requests_aborted;
+    r.prompt_tokens += rep.prompt_tokens;
+    r.prompt_tokens_reusable += rep.prompt_tokens_reusable;
+    r.prompt_tokens_gpu_cached += rep.prompt_tokens_gpu_cached;
+    r.prompt_tokens_loaded += rep.prompt_tokens_loaded;
+    r.prompt_tokens_computed += rep.prompt_tokens_computed;
+    r.prompt_tokens_unserved += rep.prompt_tokens_unserved;
+    r.preemptions += rep.preemptions;
+    r.tokens_gpu_cached_again += rep.tokens_gpu_cached_again;
+    r.tokens_loaded_again += rep.tokens_loaded_again;
+    r.tokens_recomputed += rep.tokens_recomputed;
+    r.decode_tokens_computed += rep.decode_tokens_computed;
+    r.decode_tokens_reused += rep.decode_tokens_reused;
+    r.tokens_computed += rep.tokens_computed;
+    r.tokens_loaded += rep.tokens_loaded;
+}
+
+/// Sums the finished instances' reports into one; `cost` turns the loaded tokens into time.
+pub fn summarize(
+    parts: &[(&InstanceSim, &SimReport)],
+    elapsed_s: f64,
+    cost: CostModel,
+) -> RunReport {
     let mut r = RunReport {
         instances: parts.len() as u32,
         elapsed_s,
@@ -347,13 +393,7 @@ pub fn summarize(parts: &[(&InstanceSim, &SimReport)], elapsed_s: f64) -> RunRep
     };
     let (mut store_us, mut load_us) = (Vec::new(), Vec::new());
     for (sim, rep) in parts {
-        r.requests_total += rep.requests_total;
-        r.requests_finished += rep.requests_finished;
-        r.prompt_tokens += rep.prompt_tokens;
-        r.tokens_hit_offload += rep.tokens_loaded;
-        r.tokens_hit_gpu_cache += rep.tokens_gpu_cached;
-        r.tokens_computed += rep.tokens_computed;
-        r.tokens_recomputed += rep.tokens_recomputed;
+        add_tokens(&mut r, rep);
         r.steps += rep.steps;
         r.integrity_failures += rep.integrity_failures;
         r.store_mismatches += rep.store_mismatches;
@@ -373,8 +413,6 @@ pub fn summarize(parts: &[(&InstanceSim, &SimReport)], elapsed_s: f64) -> RunRep
         cpu.bytes_stored += t.host_bytes_stored;
         cpu.bytes_loaded += t.host_bytes_loaded;
         cpu.tokens_served += rep.tokens_loaded;
-        cpu.store_ns += t.host_store_ns;
-        cpu.load_ns += t.host_load_ns;
         for (name, c) in &metrics.tiers {
             let line = tier_line(&mut r.tiers, name);
             line.hits += c.hits;
@@ -383,16 +421,10 @@ pub fn summarize(parts: &[(&InstanceSim, &SimReport)], elapsed_s: f64) -> RunRep
             line.bytes_stored += c.bytes_stored;
             line.bytes_loaded += c.bytes_loaded;
             line.tokens_served += c.chunks_loaded * tokens_per_chunk;
-            line.store_ns += c.store_ns;
-            line.load_ns += c.load_ns;
         }
         let timed = handle.manager().inner();
         store_us.extend_from_slice(&timed.store_us);
         load_us.extend_from_slice(&timed.load_us);
-    }
-    for line in &mut r.tiers {
-        line.store_gb_per_s = rate(line.bytes_stored, line.store_ns);
-        line.load_gb_per_s = rate(line.bytes_loaded, line.load_ns);
     }
     store_us.sort_unstable();
     load_us.sort_unstable();
@@ -400,6 +432,8 @@ pub fn summarize(parts: &[(&InstanceSim, &SimReport)], elapsed_s: f64) -> RunRep
     r.store_latency_us_p99 = percentile(&store_us, 0.99);
     r.load_latency_us_p50 = percentile(&load_us, 0.5);
     r.load_latency_us_p99 = percentile(&load_us, 0.99);
+    r.savings = Savings::of(&cost, r.tokens_loaded, r.requests_finished);
+    r.cost = cost;
     r
 }
 
@@ -435,47 +469,107 @@ pub fn drive(
     Ok(reports)
 }
 
+fn percent(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        100.0 * part as f64 / whole as f64
+    }
+}
+
+/// The model line: what moves per token and per chunk.
+fn render_model(r: &RunReport, out: &mut String) {
+    let c = &r.cost;
+    let name = c.model.map_or("(no --model)", |m| m.name);
+    let kib = match c.kv_bytes_per_token {
+        b if b >= 1024 => format!(" ({:.0} KiB)", f64::from(b) / 1024.0),
+        _ => String::new(),
+    };
+    out.push_str(&format!(
+        "model           {name}: {} KV bytes per token{kib}\n",
+        c.kv_bytes_per_token
+    ));
+}
+
+/// The exact prompt split, what preemptions cost, and the compute total.
+fn render_tokens(r: &RunReport, out: &mut String) {
+    let p = r.prompt_tokens;
+    out.push_str(&format!(
+        "prompt tokens   {p}   (each counted once, by where its KV came from the first time)\n"
+    ));
+    let mut part = |label: &str, n: u64| {
+        out.push_str(&format!("  {label:<23}{n:>10}  ({:.1}%)\n", percent(n, p)));
+    };
+    part("from GPU prefix cache", r.prompt_tokens_gpu_cached);
+    part("loaded by kvtier", r.prompt_tokens_loaded);
+    part("computed", r.prompt_tokens_computed);
+    if r.prompt_tokens_unserved > 0 {
+        part("aborted before any KV", r.prompt_tokens_unserved);
+    }
+    out.push_str(&format!(
+        "  reusable at best {:>16}  ({:.1}%: the workload's own prefix sharing; cache hits above are {:.1}% of it)\n",
+        r.prompt_tokens_reusable,
+        percent(r.prompt_tokens_reusable, p),
+        percent(r.prompt_tokens_hit(), r.prompt_tokens_reusable)
+    ));
+    if r.preemptions > 0 {
+        out.push_str(&format!(
+            "after {} preemptions (not in the split): {} tokens from the GPU prefix cache again, \
+             {} loaded by kvtier again, {} computed again\n",
+            r.preemptions, r.tokens_gpu_cached_again, r.tokens_loaded_again, r.tokens_recomputed
+        ));
+    }
+    out.push_str(&format!(
+        "tokens computed {} in all = {} prompt + {} decode + {} again\n",
+        r.tokens_computed, r.prompt_tokens_computed, r.decode_tokens_computed, r.tokens_recomputed
+    ));
+}
+
+/// Prefill saved by kvtier's loads, with the assumptions that make it time.
+fn render_savings(r: &RunReport, out: &mut String) {
+    let (s, c) = (&r.savings, &r.cost);
+    out.push_str(&format!(
+        "prefill saved   {} tokens loaded by kvtier instead of computed",
+        s.prefill_tokens_saved
+    ));
+    match (c.model, c.prefill_us_per_token(), s.prefill_s_saved) {
+        (Some(m), Some(us), Some(saved)) => {
+            out.push_str(&format!(
+                ": {saved:.2} s of prefill at {us:.1} us/token (2 FLOPs x {:.3e} parameters at {:.0} TFLOP/s), \
+                 {:.2} s to load at {:.0} GB/s",
+                m.params,
+                c.prefill_flops / 1e12,
+                s.load_s,
+                c.load_bytes_per_s / 1e9
+            ));
+            if let Some(ms) = s.ttft_saved_ms_per_request {
+                out.push_str(&format!(
+                    "; {ms:.1} ms less time to first token per finished request"
+                ));
+            }
+            out.push('\n');
+        }
+        _ => out.push_str(" (name a --model to turn them into time)\n"),
+    }
+}
+
 /// The report as a table for people.
 pub fn render(r: &RunReport) -> String {
-    let pct = |a: u64| {
-        if r.prompt_tokens == 0 {
-            0.0
-        } else {
-            100.0 * a as f64 / r.prompt_tokens as f64
-        }
-    };
     let mut out = String::new();
     out.push_str(&format!(
         "requests        {} finished of {} ({} instance(s), {} engine steps, {:.1} s)\n",
         r.requests_finished, r.requests_total, r.instances, r.steps, r.elapsed_s
     ));
-    out.push_str(&format!("prompt tokens   {}\n", r.prompt_tokens));
+    render_model(r, &mut out);
+    render_tokens(r, &mut out);
+    render_savings(r, &mut out);
     out.push_str(&format!(
-        "  from GPU prefix cache  {:>10}  ({:.1}%)\n",
-        r.tokens_hit_gpu_cache,
-        pct(r.tokens_hit_gpu_cache)
-    ));
-    out.push_str(&format!(
-        "  loaded by kvtier       {:>10}  ({:.1}%)\n",
-        r.tokens_hit_offload,
-        pct(r.tokens_hit_offload)
-    ));
-    let recomputed = r
-        .prompt_tokens
-        .saturating_sub(r.tokens_hit_gpu_cache + r.tokens_hit_offload);
-    out.push_str(&format!(
-        "  computed               {:>10}  ({:.1}%)   (tokens computed in all, decode included: {})\n",
-        recomputed,
-        pct(recomputed),
-        r.tokens_computed
-    ));
-    out.push_str(&format!(
-        "{:<6} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10} {:>9} {:>9}\n",
-        "tier", "hits", "stores", "loads", "MB stored", "MB loaded", "tokens", "st GB/s", "ld GB/s"
+        "{:<6} {:>8} {:>8} {:>8} {:>12} {:>12} {:>10}\n",
+        "tier", "hits", "stores", "loads", "MB stored", "MB loaded", "tokens"
     ));
     for t in &r.tiers {
         out.push_str(&format!(
-            "{:<6} {:>8} {:>8} {:>8} {:>12.1} {:>12.1} {:>10} {:>9.2} {:>9.2}\n",
+            "{:<6} {:>8} {:>8} {:>8} {:>12.1} {:>12.1} {:>10}\n",
             t.name,
             t.hits,
             t.stores,
@@ -483,8 +577,6 @@ pub fn render(r: &RunReport) -> String {
             t.bytes_stored as f64 / 1e6,
             t.bytes_loaded as f64 / 1e6,
             t.tokens_served,
-            t.store_gb_per_s,
-            t.load_gb_per_s
         ));
     }
     out.push_str(&format!(

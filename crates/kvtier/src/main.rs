@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kvtier::bench_data::{self, DataBenchReport};
 use kvtier::bench_manager::{self, ManagerBenchConfig, ManagerTrace};
+use kvtier::model::{ModelChoice, ModelPreset};
 use kvtier::progress::Progress;
 use offload_core::EvictionPolicy;
 
@@ -138,11 +139,49 @@ struct RunArgs {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Conversations per instance (4 turns each).
-    #[arg(long, value_name = "N", default_value_t = 48, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    #[arg(long, value_name = "N", default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..=10000))]
     conversations: u32,
     /// Seed of the workload and the simulator.
     #[arg(long, value_name = "S", default_value_t = 1)]
     seed: u64,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+/// The model a run simulates and the assumptions that turn its loads into time.
+#[derive(Debug, Args)]
+struct ModelArgs {
+    /// A real model's KV size: llama-3.2-1b, llama-3-8b, llama-3-70b, qwen3-8b, qwen3-32b,
+    /// mistral-7b (run: llama-3-8b by default; replay: none, 32 bytes per token).
+    #[arg(long, value_name = "NAME")]
+    model: Option<String>,
+    /// KV bytes per token (all layers, all workers); overrides the model's.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=16777216))]
+    kv_bytes_per_token: Option<u32>,
+    /// Effective prefill throughput in TFLOP/s, for the prefill time saved.
+    #[arg(long, value_name = "TFLOPS", default_value_t = kvtier::model::PREFILL_FLOPS_DEFAULT / 1e12)]
+    prefill_tflops: f64,
+    /// Host-to-GPU bandwidth in GB/s, for the time loads take.
+    #[arg(long, value_name = "GBPS", default_value_t = kvtier::model::LOAD_BYTES_PER_S_DEFAULT / 1e9)]
+    load_gb_per_s: f64,
+}
+
+impl ModelArgs {
+    /// The choice, with `default` as the preset when neither `--model` nor
+    /// `--kv-bytes-per-token` was given.
+    fn choice(&self, default: Option<ModelPreset>) -> Result<ModelChoice, Failure> {
+        let preset = match &self.model {
+            Some(name) => Some(kvtier::model::preset(name).map_err(Failure::Input)?),
+            None if self.kv_bytes_per_token.is_some() => None,
+            None => default,
+        };
+        Ok(ModelChoice {
+            preset,
+            kv_bytes_per_token: self.kv_bytes_per_token,
+            prefill_flops: self.prefill_tflops * 1e12,
+            load_bytes_per_s: self.load_gb_per_s * 1e9,
+        })
+    }
 }
 
 #[derive(Debug, Args)]
@@ -162,9 +201,8 @@ struct ReplayArgs {
     /// Disk tier capacity, bytes.
     #[arg(long, value_name = "BYTES", default_value_t = 8 << 30)]
     fs_bytes: u64,
-    /// KV bytes per token (all layers, all workers).
-    #[arg(long, value_name = "N", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1048576))]
-    kv_bytes_per_token: u32,
+    #[command(flatten)]
+    model: ModelArgs,
     /// Tokens per engine block (need not divide the trace's 512-token blocks).
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=65536))]
     tokens_per_block: u32,
@@ -417,6 +455,7 @@ fn run_cmd(args: &RunArgs, json: bool) -> Result<(), Failure> {
     let spec = kvtier::run::RunSpec {
         conversations: args.conversations,
         seed: args.seed,
+        model: args.model.choice(Some(kvtier::run::default_model()))?,
         ..kvtier::run::RunSpec::default()
     };
     let mut progress = Progress::new(!json);
@@ -435,7 +474,7 @@ fn replay_cmd(args: &ReplayArgs, json: bool) -> Result<(), Failure> {
         cpu_bytes: args.cpu_bytes,
         fs_dir: args.fs_dir.clone(),
         fs_bytes: args.fs_bytes,
-        kv_bytes_per_token: args.kv_bytes_per_token,
+        model: args.model.choice(None)?,
         tokens_per_block: args.tokens_per_block,
         blocks_per_chunk: args.blocks_per_chunk,
         eviction_policy: match args.eviction_policy {

@@ -9,7 +9,12 @@ use connector::config::ConnectorConfig;
 use engine_sim::trace::{self, TraceOptions};
 
 use crate::instance::{self, EngineShape, RunReport};
+use crate::model::{ModelChoice, LOAD_BYTES_PER_S_DEFAULT, PREFILL_FLOPS_DEFAULT};
 use crate::run::TempDir;
+
+/// KV bytes per token without `--model` or `--kv-bytes-per-token` (small, so that a whole trace
+/// replays in memory; not a real model's size).
+pub const KV_BYTES_PER_TOKEN_DEFAULT: u32 = 32;
 
 /// Everything `kvtier replay` takes.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,8 +29,9 @@ pub struct ReplaySpec {
     pub fs_dir: Option<PathBuf>,
     /// Disk tier capacity in bytes.
     pub fs_bytes: u64,
-    /// KV bytes per token.
-    pub kv_bytes_per_token: u32,
+    /// The model (`--model`, `--kv-bytes-per-token`); without either, 32 bytes per token move
+    /// and no time is reported.
+    pub model: ModelChoice,
     /// Tokens per engine block.
     pub tokens_per_block: u32,
     /// Engine blocks per chunk.
@@ -62,7 +68,12 @@ impl ReplaySpec {
             cpu_bytes: 1 << 30,
             fs_dir: None,
             fs_bytes: 8 << 30,
-            kv_bytes_per_token: 32,
+            model: ModelChoice {
+                preset: None,
+                kv_bytes_per_token: None,
+                prefill_flops: PREFILL_FLOPS_DEFAULT,
+                load_bytes_per_s: LOAD_BYTES_PER_S_DEFAULT,
+            },
             tokens_per_block: 16,
             blocks_per_chunk: 4,
             eviction_policy: "lru".into(),
@@ -166,10 +177,11 @@ pub fn replay(spec: &ReplaySpec, progress: &mut dyn FnMut(u64, u64)) -> Result<R
         .unwrap_or_else(std::env::temp_dir);
     let config =
         ConnectorConfig::from_toml_str(&config_text(spec, &fs_dir)?).map_err(|e| e.to_string())?;
+    let cost = spec.model.cost(KV_BYTES_PER_TOKEN_DEFAULT)?;
     let kv_bytes_per_token = if spec.no_data {
         spec.workers
     } else {
-        spec.kv_bytes_per_token
+        cost.kv_bytes_per_token
     };
     let shape = EngineShape {
         tokens_per_block: spec.tokens_per_block,
@@ -186,7 +198,7 @@ pub fn replay(spec: &ReplaySpec, progress: &mut dyn FnMut(u64, u64)) -> Result<R
     let mut sims = [sim];
     let reports = instance::drive(&mut sims, u64::MAX, progress)?;
     let parts: Vec<_> = sims.iter().zip(&reports).collect();
-    let mut report = instance::summarize(&parts, started.elapsed().as_secs_f64());
+    let mut report = instance::summarize(&parts, started.elapsed().as_secs_f64(), cost);
     if spec.tiers.iter().any(|t| t == "p2p") {
         report.notes.push(
             "replay runs one instance: its p2p tier publishes for peers and has no peer to fetch from"
@@ -194,10 +206,11 @@ pub fn replay(spec: &ReplaySpec, progress: &mut dyn FnMut(u64, u64)) -> Result<R
         );
     }
     if spec.no_data {
-        report.notes.push(
-            "--no-data: one byte per token and worker moves; per-request verification is off"
-                .into(),
-        );
+        report.notes.push(format!(
+            "--no-data: one byte per token and worker moves (the load time above is for {} bytes \
+             per token); per-request verification is off",
+            report.cost.kv_bytes_per_token
+        ));
     }
     drop(sims);
     drop(temp);

@@ -1,7 +1,8 @@
 //! `kvtier run`: the main job. A built-in workload (multi-turn conversations that share system
 //! prompts and documents) runs on two simulated engine instances, each with a host pool, a disk
 //! tier in a temporary directory and the other instance as its peer over loopback TCP; every
-//! loaded block is compared with recompute.
+//! loaded block is compared with recompute. KV sizes are a real model's ([`DEFAULT_MODEL`]
+//! unless `--model` or `--kv-bytes-per-token` says otherwise).
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -11,9 +12,13 @@ use engine_sim::rng::mix64;
 use engine_sim::{RequestSpec, SharedPrefix, Workload};
 
 use crate::instance::{self, EngineShape, InstanceSim, RunReport};
+use crate::model::{self, ModelChoice, ModelPreset};
+
+/// The model the main job simulates unless `--model` or `--kv-bytes-per-token` says otherwise.
+pub const DEFAULT_MODEL: &str = "llama-3-8b";
 
 /// Shape of the built-in workload (per instance).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RunSpec {
     /// Conversations per instance.
     pub conversations: u32,
@@ -25,18 +30,31 @@ pub struct RunSpec {
     pub documents: u32,
     /// Seed of every choice.
     pub seed: u64,
+    /// The model: its KV size is what every chunk moves.
+    pub model: ModelChoice,
+}
+
+/// The default model's preset.
+pub fn default_model() -> ModelPreset {
+    model::PRESETS
+        .iter()
+        .copied()
+        .find(|m| m.name == DEFAULT_MODEL)
+        .unwrap_or(model::PRESETS[0])
 }
 
 impl Default for RunSpec {
-    /// 48 conversations of 4 turns per instance (384 requests on two instances), 4 system
-    /// prompts, 6 documents.
+    /// 12 conversations of 4 turns per instance (96 requests on two instances), 4 system
+    /// prompts, 6 documents, on the default model (whose 8 MiB chunks keep this to a few GiB of
+    /// memory and well under a minute on two cores).
     fn default() -> Self {
         Self {
-            conversations: 48,
+            conversations: 12,
             turns: 4,
             system_prompts: 4,
             documents: 6,
             seed: 1,
+            model: ModelChoice::preset(default_model()),
         }
     }
 }
@@ -53,11 +71,11 @@ const TURN_GAP_STEPS: u64 = 120;
 /// The second instance starts this much later, so the first one has stored the shared parts.
 const SECOND_INSTANCE_DELAY_STEPS: u64 = 400;
 
-/// The simulated engine of the main job.
-pub fn engine_shape(seed: u64) -> EngineShape {
+/// The simulated engine of the main job, moving `kv_bytes_per_token` per token.
+pub fn engine_shape(seed: u64, kv_bytes_per_token: u32) -> EngineShape {
     EngineShape {
         tokens_per_block: 16,
-        kv_bytes_per_token: 64,
+        kv_bytes_per_token,
         workers: 2,
         gpu_blocks: 320,
         max_num_batched_tokens: 2048,
@@ -114,16 +132,26 @@ pub fn workload(spec: &RunSpec, instance: u32) -> Workload {
     Workload { requests }
 }
 
-/// The built-in connector configuration (TOML, the connector's format): a host pool of 160
-/// chunks, a disk tier under `fs_dir`, and a peer tier whose ports [`config_for_instance`] fills.
+/// Host-pool chunks of the built-in configuration.
+pub const HOST_CHUNKS: u64 = 128;
+/// Disk-tier chunks of the built-in configuration (per instance).
+pub const DISK_CHUNKS: u64 = 512;
+/// Chunks each instance's peer tier keeps published for the other one.
+pub const PUBLISHED_CHUNKS: u64 = 64;
+
+/// The built-in connector configuration (TOML, the connector's format): a host pool of
+/// [`HOST_CHUNKS`] chunks, a disk tier of [`DISK_CHUNKS`] under `fs_dir`, and a peer tier that
+/// publishes [`PUBLISHED_CHUNKS`], whose ports [`config_for_instance`] fills.
 pub fn default_config(fs_dir: &Path, chunk_bytes: u64) -> String {
     format!(
         "cpu_bytes_to_use = {}\nblock_size = 64\neviction_policy = \"lru\"\n\
          offload_prompt_only = false\nsecondary_tiers = [\n  \
-         {{ type = \"fs\", root_dir = {:?}, capacity_bytes = 268435456 }},\n  \
-         {{ type = \"p2p\" }},\n]\n",
-        160 * chunk_bytes,
+         {{ type = \"fs\", root_dir = {:?}, capacity_bytes = {} }},\n  \
+         {{ type = \"p2p\", published_bytes_max = {} }},\n]\n",
+        HOST_CHUNKS * chunk_bytes,
         fs_dir.display().to_string(),
+        DISK_CHUNKS * chunk_bytes,
+        PUBLISHED_CHUNKS * chunk_bytes,
     )
 }
 
@@ -187,7 +215,8 @@ pub fn run(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<RunReport, String> {
     let started = std::time::Instant::now();
-    let shape = engine_shape(spec.seed);
+    let cost = spec.model.cost(default_model().kv_bytes_per_token())?;
+    let shape = engine_shape(spec.seed, cost.kv_bytes_per_token);
     let dir = TempDir::new("run")?;
     let ports = [free_port()?, free_port()?];
     let chunk_bytes = 64 * u64::from(shape.kv_bytes_per_token);
@@ -197,15 +226,24 @@ pub fn run(
             .map_err(|e| format!("built-in config: {e}"))?,
     };
     let mut sims: Vec<InstanceSim> = Vec::with_capacity(2);
+    let mut both = Workload::default();
     for i in 0..2 {
         let config = config_for_instance(&base, i, ports);
-        let sim = instance::build(&config, &shape, workload(spec, i as u32))
-            .map_err(|e| format!("instance {i}: {e}"))?;
+        let w = workload(spec, i as u32);
+        both.append(w.clone(), 0);
+        let sim = instance::build(&config, &shape, w).map_err(|e| format!("instance {i}: {e}"))?;
         sims.push(sim);
     }
     let reports = instance::drive(&mut sims, 200_000, progress)?;
     let parts: Vec<_> = sims.iter().zip(&reports).collect();
-    let report = instance::summarize(&parts, started.elapsed().as_secs_f64());
+    let mut report = instance::summarize(&parts, started.elapsed().as_secs_f64(), cost);
+    // The instances are each other's peers, so a request may reuse what the other one computed:
+    // the bound is the two workloads' reuse taken together (their steps run in lockstep).
+    report.prompt_tokens_reusable =
+        engine_sim::reuse::reusable_tokens(&both, shape.tokens_per_block)
+            .iter()
+            .map(|&n| u64::from(n))
+            .sum();
     drop(sims);
     drop(dir);
     Ok(report)

@@ -40,6 +40,96 @@ fn small_trace(requests: u64) -> String {
     text
 }
 
+/// The report's token counts check against each other: the prompt split sums, the compute
+/// total is its parts, hits stay within the workload's own reuse, and the host pool's line says
+/// what kvtier loaded.
+fn assert_split_sums(v: &serde_json::Value) {
+    let n = |k: &str| {
+        v[k].as_u64()
+            .unwrap_or_else(|| panic!("field {k} missing: {v}"))
+    };
+    assert_eq!(
+        n("prompt_tokens"),
+        n("prompt_tokens_gpu_cached")
+            + n("prompt_tokens_loaded")
+            + n("prompt_tokens_computed")
+            + n("prompt_tokens_unserved"),
+        "{v}"
+    );
+    assert_eq!(
+        n("tokens_computed"),
+        n("prompt_tokens_computed") + n("decode_tokens_computed") + n("tokens_recomputed"),
+        "{v}"
+    );
+    assert!(
+        n("prompt_tokens_gpu_cached") + n("prompt_tokens_loaded") <= n("prompt_tokens_reusable"),
+        "{v}"
+    );
+    assert_eq!(v["tiers"][0]["name"], "cpu");
+    assert_eq!(
+        v["tiers"][0]["tokens_served"].as_u64(),
+        Some(n("tokens_loaded"))
+    );
+    assert_eq!(
+        v["savings"]["prefill_tokens_saved"].as_u64(),
+        Some(n("tokens_loaded"))
+    );
+}
+
+#[test]
+fn replay_with_a_model_turns_loads_into_time_under_the_stated_costs() {
+    let path = temp_file("replay-model.jsonl", &small_trace(24));
+    let out = kvtier(&[
+        "replay",
+        "--json",
+        "--trace",
+        path.to_str().unwrap(),
+        "--tiers",
+        "cpu",
+        "--model",
+        "qwen3-32b",
+        "--no-data",
+        "--gpu-blocks",
+        "300",
+        "--prefill-tflops",
+        "500",
+        "--load-gb-per-s",
+        "50",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_split_sums(&v);
+    // qwen3-32b: 2 x 64 layers x 8 KV heads x 128 dims x 2 bytes.
+    assert_eq!(v["cost"]["kv_bytes_per_token"], 262_144);
+    assert_eq!(v["cost"]["model"]["name"], "qwen3-32b");
+    let loaded = v["tokens_loaded"].as_f64().expect("tokens_loaded");
+    assert!(loaded > 0.0, "the GPU is small, so kvtier loads: {v}");
+    let s = &v["savings"];
+    let f = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {s}"));
+    // 2 x 32.8e9 FLOPs per token at 500e12 FLOP/s; 262144 bytes per token at 50e9 B/s.
+    let compute = loaded * 2.0 * 32.8e9 / 500e12;
+    let load = loaded * 262_144.0 / 50e9;
+    assert!(
+        (f("prefill_s_saved") - compute).abs() < 1e-9 * compute.max(1.0),
+        "{s}"
+    );
+    assert!((f("load_s") - load).abs() < 1e-9 * load.max(1.0), "{s}");
+    let per_request = (compute - load) * 1e3 / 24.0;
+    assert!(
+        (f("ttft_saved_ms_per_request") - per_request).abs() < 1e-6,
+        "{s}"
+    );
+}
+
+#[test]
+fn unknown_model_is_named_with_the_known_ones() {
+    let out = kvtier(&["run", "--model", "gpt-9"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("gpt-9") && err.contains("llama-3-8b"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
 #[test]
 fn bad_flag_is_one_line_naming_it() {
     let out = kvtier(&["bench", "manager", "--no-such-flag"]);
@@ -171,7 +261,15 @@ fn bench_host_json_rows_have_path_ceiling_and_ratio() {
 
 #[test]
 fn run_small_workload_reports_every_tier_and_no_failure() {
-    let out = kvtier(&["run", "--json", "--conversations", "4"]);
+    // A small KV size keeps the test quick; the default model's size is the same code path.
+    let out = kvtier(&[
+        "run",
+        "--json",
+        "--conversations",
+        "4",
+        "--kv-bytes-per-token",
+        "256",
+    ]);
     assert!(out.status.success(), "{}", stderr(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     let n = |k: &str| {
@@ -183,8 +281,14 @@ fn run_small_workload_reports_every_tier_and_no_failure() {
     assert_eq!(n("requests_finished"), 32);
     assert_eq!(n("integrity_failures"), 0);
     assert_eq!(n("invariant_failures"), 0);
-    assert!(n("prompt_tokens") > 0);
-    assert!(n("tokens_hit_offload") + n("tokens_hit_gpu_cache") <= n("prompt_tokens"));
+    assert_split_sums(&v);
+    // Later turns extend earlier ones and conversations share system prompts: both caches hit.
+    assert!(
+        n("prompt_tokens_loaded") > 0 && n("prompt_tokens_gpu_cached") > 0,
+        "{v}"
+    );
+    assert_eq!(v["cost"]["kv_bytes_per_token"], 256);
+    assert!(v["cost"]["model"].is_null(), "{v}");
     assert!(v["elapsed_s"].as_f64().is_some());
     let tiers = v["tiers"].as_array().expect("tiers");
     let names: Vec<&str> = tiers.iter().filter_map(|t| t["name"].as_str()).collect();
@@ -240,9 +344,11 @@ fn replay_small_trace_reuses_shared_prefixes_with_odd_block_sizes() {
         assert_eq!(n("invariant_failures"), 0);
         // 24 requests of 3..6 blocks of 512 tokens.
         assert_eq!(n("prompt_tokens"), 512 * (24 * 3 + 6 * (1 + 2 + 3)));
-        // Shared prefixes are found again, on the GPU or in the offload tiers.
+        // Shared prefixes are found again, on the GPU or in the offload tiers, never more
+        // than the trace shares.
+        assert_split_sums(&v);
         assert!(
-            n("tokens_hit_offload") + n("tokens_hit_gpu_cache") > 0,
+            n("prompt_tokens_gpu_cached") + n("prompt_tokens_loaded") > 0,
             "{v}"
         );
         let tiers: Vec<&str> = v["tiers"]

@@ -260,7 +260,8 @@ impl<C: EngineConnector> Sim<C> {
             gpu_blocks: config.num_gpu_blocks,
             slots: config.host_slots,
         };
-        let reqs: Vec<Req> = workload
+        let reusable = crate::reuse::reusable_tokens(&workload, config.tokens_per_block);
+        let mut reqs: Vec<Req> = workload
             .requests
             .into_iter()
             .enumerate()
@@ -282,8 +283,12 @@ impl<C: EngineConnector> Sim<C> {
         let report = SimReport {
             seed: config.seed,
             requests_total: reqs.len() as u64,
+            prompt_tokens_reusable: reusable.iter().map(|&n| u64::from(n)).sum(),
             ..SimReport::default()
         };
+        for (r, n) in reqs.iter_mut().zip(reusable) {
+            r.reusable = n;
+        }
         Ok(Self {
             model,
             geo,

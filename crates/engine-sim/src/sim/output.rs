@@ -5,7 +5,7 @@
 use offload_core::scheduler::FinishedRequest;
 use offload_core::{FinishKind, RequestId, WorkerOutput};
 
-use super::request::Phase;
+use super::request::{KvSource, Phase};
 use super::{EngineConnector, Sim, StepOutput};
 use crate::config::OutputOrder;
 
@@ -69,6 +69,10 @@ impl<C: EngineConnector> Sim<C> {
             self.verify_loaded(idx, local, ext);
             self.report.loads_ok += 1;
             self.report.tokens_loaded += u64::from(ext);
+            let gain = self.reqs[idx].gain(local, local + ext, KvSource::Loaded);
+            self.report.prompt_tokens_loaded += u64::from(gain.prompt);
+            self.report.decode_tokens_reused += u64::from(gain.beyond_prompt);
+            self.report.tokens_loaded_again += u64::from(gain.again);
         } else {
             self.report.loads_failed += 1;
             self.report.tokens_load_failed += u64::from(ext);
@@ -76,7 +80,6 @@ impl<C: EngineConnector> Sim<C> {
         let computed = if ok { local + ext } else { local };
         let r = &mut self.reqs[idx];
         r.num_computed = computed;
-        r.high_water = r.high_water.max(computed);
         r.phase = Phase::Waiting;
         r.skip_lookup = true;
         self.cache_blocks(idx, computed);
@@ -97,6 +100,16 @@ impl<C: EngineConnector> Sim<C> {
             FinishKind::Finished => self.report.requests_finished += 1,
             FinishKind::Aborted => self.report.requests_aborted += 1,
         }
+        let unserved = r.prompt_len - r.split.total();
+        self.report.prompt_tokens_unserved += u64::from(unserved);
+        if kind == FinishKind::Finished && unserved > 0 {
+            let what = format!(
+                "request {} finished with {unserved} of its {} prompt tokens never given KV",
+                r.id.0, r.prompt_len
+            );
+            self.violation(what);
+        }
+        let r = &mut self.reqs[idx];
         let finished = FinishedRequest {
             id: r.id,
             kind,

@@ -5,7 +5,31 @@ use offload_core::{BlockId, FinishKind, RequestId};
 use serde::Serialize;
 
 use crate::model::TokenChain;
+use crate::report::TokenSplit;
 use crate::workload::RequestSpec;
+
+/// Where a range of a request's KV came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KvSource {
+    /// The GPU prefix cache.
+    GpuCache,
+    /// A kvtier load.
+    Loaded,
+    /// The engine's compute.
+    Computed,
+}
+
+/// What [`Req::gain`] counted: positions that had KV for the first time, split into prompt and
+/// later ones, and positions the request had had before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Gain {
+    /// Prompt positions with KV for the first time.
+    pub prompt: u32,
+    /// Positions past the prompt with KV for the first time.
+    pub beyond_prompt: u32,
+    /// Positions the request had had KV for before (lost to a preemption).
+    pub again: u32,
+}
 
 /// Where a request is in the engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -40,6 +64,13 @@ pub struct RequestView {
     pub kept: bool,
     /// How it ended, if it did.
     pub finish: Option<FinishKind>,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Where its prompt KV came from, each position counted once (the first time it had KV).
+    pub prompt_split: TokenSplit,
+    /// Prompt tokens it could reuse at best: the longest prefix of full blocks an
+    /// earlier-arriving request also had, short of its last token.
+    pub prompt_tokens_reusable: u32,
 }
 
 /// One request's engine state.
@@ -56,8 +87,13 @@ pub(crate) struct Req {
     /// Sampled tokens scheduled but not yet processed (vLLM's `num_output_placeholders`).
     pub placeholders: u32,
     pub num_computed: u32,
-    /// Most tokens whose KV this request ever had (to count recomputation).
+    /// Most tokens whose KV this request ever had: positions below it are counted in `split`
+    /// (or past the prompt) already, and getting them again is counted as "again".
     pub high_water: u32,
+    /// Where each prompt position's KV came from the first time.
+    pub split: TokenSplit,
+    /// Prompt tokens it could reuse at best (the workload's own prefix sharing).
+    pub reusable: u32,
     pub blocks: Vec<BlockId>,
     /// Blocks of the table already offered to the GPU prefix cache.
     pub cached_blocks: usize,
@@ -91,6 +127,8 @@ impl Req {
             placeholders: 0,
             num_computed: 0,
             high_water: 0,
+            split: TokenSplit::default(),
+            reusable: 0,
             blocks: Vec::new(),
             cached_blocks: 0,
             phase: Phase::Pending,
@@ -115,6 +153,37 @@ impl Req {
         )
     }
 
+    /// Records that positions `from..to` have KV now, obtained from `source`. KV always grows
+    /// as a prefix, so `from` is at most the high water: positions from there to `to` are new
+    /// (the prompt's ones go to the split), the ones below it are had again.
+    pub fn gain(&mut self, from: u32, to: u32, source: KvSource) -> Gain {
+        debug_assert!(
+            from <= self.high_water,
+            "request {}: KV from {from} past its high water {}",
+            self.id.0,
+            self.high_water
+        );
+        if to <= from {
+            return Gain::default();
+        }
+        let fresh_from = from.max(self.high_water).min(to);
+        let prompt_end = to.min(self.prompt_len);
+        let gain = Gain {
+            prompt: prompt_end.saturating_sub(fresh_from),
+            beyond_prompt: to - fresh_from.max(prompt_end),
+            again: fresh_from - from,
+        };
+        let part = match source {
+            KvSource::GpuCache => &mut self.split.gpu_cached,
+            KvSource::Loaded => &mut self.split.loaded,
+            KvSource::Computed => &mut self.split.computed,
+        };
+        *part += gain.prompt;
+        self.high_water = self.high_water.max(to);
+        debug_assert!(self.split.total() <= self.prompt_len);
+        gain
+    }
+
     pub fn view(&self) -> RequestView {
         RequestView {
             id: self.id,
@@ -124,6 +193,9 @@ impl Req {
             block_count: self.blocks.len(),
             kept: self.kept,
             finish: self.finish,
+            prompt_tokens: self.prompt_len,
+            prompt_split: self.split,
+            prompt_tokens_reusable: self.reusable,
         }
     }
 

@@ -8,7 +8,7 @@ use offload_core::{
     BlockId, ConnectorMeta, FinishKind, MatchResult, NewRequest, StepInput, StepRequest,
 };
 
-use super::request::Phase;
+use super::request::{KvSource, Phase};
 use super::{EngineConnector, Plan, Scheduled, Sim};
 
 /// What happened to a waiting request this step.
@@ -278,8 +278,11 @@ impl<C: EngineConnector> Sim<C> {
         let mut blocks = hit;
         let allocated = self.pool.allocate(need, &mut blocks);
         debug_assert!(allocated, "free blocks were counted");
-        self.report.tokens_gpu_cached += u64::from(local);
         let r = &mut self.reqs[idx];
+        let gain = r.gain(0, local, KvSource::GpuCache);
+        self.report.prompt_tokens_gpu_cached += u64::from(gain.prompt);
+        self.report.decode_tokens_reused += u64::from(gain.beyond_prompt);
+        self.report.tokens_gpu_cached_again += u64::from(gain.again);
         r.blocks = blocks;
         r.num_computed = local;
         self.connector
@@ -349,9 +352,11 @@ impl<C: EngineConnector> Sim<C> {
     fn after_schedule(&mut self, idx: usize, before: u32, num_new: u32) {
         let end = before + num_new;
         let r = &mut self.reqs[idx];
+        let gain = r.gain(before, end, KvSource::Computed);
         self.report.tokens_computed += u64::from(num_new);
-        self.report.tokens_recomputed += u64::from(r.high_water.min(end).saturating_sub(before));
-        r.high_water = r.high_water.max(end);
+        self.report.prompt_tokens_computed += u64::from(gain.prompt);
+        self.report.decode_tokens_computed += u64::from(gain.beyond_prompt);
+        self.report.tokens_recomputed += u64::from(gain.again);
         r.num_computed = end;
         if end == r.num_tokens_with_placeholders() {
             r.placeholders += 1;
