@@ -15,6 +15,12 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// The one JSON object a successful `--json` run printed.
+fn json_of(out: &Output) -> serde_json::Value {
+    assert!(out.status.success(), "{}", stderr(out));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
 /// A file under the target's temporary directory, unique to this test.
 fn temp_file(name: &str, text: &str) -> PathBuf {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
@@ -96,8 +102,7 @@ fn replay_with_a_model_turns_loads_into_time_under_the_stated_costs() {
         "--load-gb-per-s",
         "50",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let v = json_of(&out);
     assert_split_sums(&v);
     // qwen3-32b: 2 x 64 layers x 8 KV heads x 128 dims x 2 bytes.
     assert_eq!(v["cost"]["kv_bytes_per_token"], 262_144);
@@ -214,8 +219,7 @@ fn bench_manager_json_fields_are_present_and_consistent() {
             "--passes",
             "2",
         ]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let v = json_of(&out);
         let n = |k: &str| {
             v[k].as_f64()
                 .unwrap_or_else(|| panic!("field {k} missing: {v}"))
@@ -247,8 +251,7 @@ fn bench_host_json_rows_have_path_ceiling_and_ratio() {
         "--reps",
         "1",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let v = json_of(&out);
     let rows = v["rows"].as_array().expect("rows");
     assert_eq!(rows.len(), 4, "a store and a load row per chunk size: {v}");
     for r in rows {
@@ -270,8 +273,7 @@ fn run_small_workload_reports_every_tier_and_no_failure() {
         "--kv-bytes-per-token",
         "256",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let v = json_of(&out);
     let n = |k: &str| {
         v[k].as_u64()
             .unwrap_or_else(|| panic!("field {k} missing: {v}"))
@@ -332,8 +334,7 @@ fn replay_small_trace_reuses_shared_prefixes_with_odd_block_sizes() {
             "--offload-prompt-only",
             "true",
         ]);
-        assert!(out.status.success(), "{}", stderr(&out));
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        let v = json_of(&out);
         let n = |k: &str| {
             v[k].as_u64()
                 .unwrap_or_else(|| panic!("field {k} missing: {v}"))
