@@ -7,7 +7,14 @@
 //! returned keys to store, `complete_store(those keys, success)`. `block_ops` counts the keys
 //! handed to each of these calls (lookups including the first miss). These semantics are the
 //! ones other implementations are compared with on the same trace; do not change them.
+//!
+//! [`run_vllm`] runs `crates/kvtier/scripts/bench_vllm_manager.py`, which replays the same trace
+//! with the same semantics at vLLM's own `CPUOffloadingManager` (imported from an installed vllm,
+//! never copied), so `kvtier bench manager --compare-vllm SCRIPT` gives both numbers and their
+//! ratio from one run.
 
+use std::path::Path;
+use std::process::Command;
 use std::time::Instant;
 
 use engine_sim::trace::TraceRecord;
@@ -257,6 +264,114 @@ pub fn run(
     })
 }
 
+/// What the vLLM script reported (its JSON output, the fields used here).
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, Serialize)]
+pub struct VllmReport {
+    /// The vllm version the script imported.
+    pub vllm_version: String,
+    /// `"full"` (vllm imported as installed) or `"light"` (torch stood in for; see the script).
+    pub import: String,
+    /// Keys found by the prefix lookups, one pass.
+    pub hit_blocks: u64,
+    /// Block operations of one pass.
+    pub block_ops: u64,
+    /// `prepare_store` calls that failed for lack of room, one pass.
+    pub store_failures: u64,
+    /// `block_ops` over the median pass.
+    pub block_ops_per_s: f64,
+    /// `block_ops` over the fastest pass.
+    pub best_block_ops_per_s: f64,
+    /// Seconds of every pass, in order.
+    pub pass_elapsed_s: Vec<f64>,
+}
+
+/// The Rust manager and vLLM's on one trace, measured in the same run (`--compare-vllm`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ManagerComparison {
+    /// The Rust host pool.
+    pub kvtier: ManagerBenchReport,
+    /// vLLM's CPUOffloadingManager.
+    pub vllm: VllmReport,
+    /// kvtier's median-pass block_ops/s over vLLM's.
+    pub ratio: f64,
+    /// kvtier's fastest-pass block_ops/s over vLLM's (the passes least disturbed by other work).
+    pub best_ratio: f64,
+}
+
+impl ManagerComparison {
+    /// Pairs two reports of the same trace and settings.
+    pub fn new(kvtier: ManagerBenchReport, vllm: VllmReport) -> Self {
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        Self {
+            ratio: ratio(kvtier.block_ops_per_s, vllm.block_ops_per_s),
+            best_ratio: ratio(kvtier.best_block_ops_per_s, vllm.best_block_ops_per_s),
+            kvtier,
+            vllm,
+        }
+    }
+}
+
+/// Runs the vLLM replay script `script` with `python` on the same trace and settings (`passes`
+/// passes of its own) and reads its one-line JSON report.
+pub fn run_vllm(
+    python: &Path,
+    script: &Path,
+    trace: &Path,
+    limit: Option<usize>,
+    config: &ManagerBenchConfig,
+    passes: u32,
+) -> Result<VllmReport, String> {
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
+        .arg("--trace")
+        .arg(trace)
+        .arg("--capacity-blocks")
+        .arg(config.capacity_blocks.to_string())
+        .arg("--policy")
+        .arg(match config.policy {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Arc => "arc",
+        })
+        .arg("--passes")
+        .arg(passes.max(1).to_string());
+    if let Some(n) = limit {
+        cmd.arg("--limit").arg(n.to_string());
+    }
+    let what = format!("{} {}", python.display(), script.display());
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("").trim();
+        return Err(format!("{what} failed ({}): {last}", out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().unwrap_or("");
+    serde_json::from_str(line).map_err(|e| format!("{what} printed no report ({e}): {line:?}"))
+}
+
+/// The comparison as lines for people, after the kvtier table.
+pub fn render_comparison(c: &ManagerComparison) -> String {
+    let mut text = render(&c.kvtier);
+    text.push_str(&format!(
+        "vllm             {} ({} import), {} pass(es), hit_blocks {}, block_ops {}\n\
+         vllm_ops_per_s   {:>14.0}  ({:.3} M/s; fastest pass {:.3} M/s)\n\
+         ratio            {:>14.1}  (median passes; fastest passes {:.1})\n",
+        c.vllm.vllm_version,
+        c.vllm.import,
+        c.vllm.pass_elapsed_s.len(),
+        c.vllm.hit_blocks,
+        c.vllm.block_ops,
+        c.vllm.block_ops_per_s,
+        c.vllm.block_ops_per_s / 1e6,
+        c.vllm.best_block_ops_per_s / 1e6,
+        c.ratio,
+        c.best_ratio,
+    ));
+    text
+}
+
 /// The report as a table for people.
 pub fn render(report: &ManagerBenchReport) -> String {
     let pct = |a: u64, b: u64| {
@@ -497,6 +612,54 @@ mod tests {
         assert_eq!(counts.hit_blocks, 2);
         assert_eq!(counts.block_ops, 10 + 12 + 11);
         assert_eq!(counts.store_failures, 1);
+    }
+
+    /// A stand-in for the vLLM script: a shell script that checks its arguments and prints a
+    /// report (or fails), run with `sh` as the "python".
+    fn fake_script(name: &str, body: &str) -> std::path::PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("kvtier-fake-vllm-{}-{name}.sh", std::process::id()));
+        std::fs::write(&path, body).unwrap();
+        path
+    }
+
+    #[test]
+    fn vllm_comparison_passes_the_settings_and_reads_the_report() {
+        let script = fake_script(
+            "ok",
+            r#"[ "$2" = trace.jsonl ] && [ "$4" = 64 ] && [ "$6" = arc ] && [ "$8" = 2 ] \
+                && [ "${10}" = 7 ] || { echo "bad args: $*" >&2; exit 3; }
+echo progress on stdout first
+echo '{"vllm_version": "0.33.0", "import": "light", "hit_blocks": 5, "block_ops": 100,
+ "store_failures": 0, "block_ops_per_s": 1000.0, "best_block_ops_per_s": 2000.0,
+ "pass_elapsed_s": [0.1, 0.05], "extra": 1}' | tr -d '\n'
+"#,
+        );
+        let config = ManagerBenchConfig {
+            capacity_blocks: 64,
+            policy: EvictionPolicy::Arc,
+            passes: 1,
+        };
+        let sh = std::path::Path::new("sh");
+        let trace = std::path::Path::new("trace.jsonl");
+        let vllm = run_vllm(sh, &script, trace, Some(7), &config, 2).unwrap();
+        assert_eq!(vllm.block_ops, 100);
+        assert_eq!(vllm.import, "light");
+        let records = generated_trace(50, 1);
+        let report = run(&ManagerTrace::from_records(&records), &config, &mut |_| {}).unwrap();
+        let c = ManagerComparison::new(report.clone(), vllm);
+        assert_eq!(c.ratio, report.block_ops_per_s / 1000.0);
+        assert_eq!(c.best_ratio, report.best_block_ops_per_s / 2000.0);
+        assert!(render_comparison(&c).contains("ratio"));
+
+        // Wrong settings: the script fails, and its last error line is in the message.
+        let err = run_vllm(sh, &script, trace, None, &config, 2).unwrap_err();
+        assert!(err.contains("bad args"), "{err}");
+        let silent = fake_script("silent", "echo not json\n");
+        let err = run_vllm(sh, &silent, trace, None, &config, 2).unwrap_err();
+        assert!(err.contains("printed no report"), "{err}");
+        let _ = std::fs::remove_file(script);
+        let _ = std::fs::remove_file(silent);
     }
 
     #[test]
