@@ -230,6 +230,10 @@ pub struct HostPool {
     new_hashes: Vec<u64>,
     /// `prepare_store` scratch: slots marked as named by the call.
     marked: Vec<u32>,
+    /// The slots the last successful `prepare_store` reserved, in order: `complete_store` tries
+    /// `last_store[i]` for its `i`-th key before probing the table (a hint, checked against the
+    /// slot's key and state, so a stale one only costs the check).
+    last_store: Vec<u32>,
     dedupe: Vec<DedupeEntry>,
     dedupe_generation: u32,
 }
@@ -286,6 +290,7 @@ impl HostPool {
             events: Vec::new(),
             new_hashes: Vec::new(),
             marked: Vec::new(),
+            last_store: Vec::new(),
             dedupe: Vec::new(),
             dedupe_generation: 0,
         };
@@ -392,6 +397,7 @@ impl HostPool {
             + self.map.bytes()
             + self.new_hashes.capacity() * std::mem::size_of::<u64>()
             + self.marked.capacity() * std::mem::size_of::<u32>()
+            + self.last_store.capacity() * std::mem::size_of::<u32>()
             + self.dedupe.capacity() * std::mem::size_of::<DedupeEntry>();
         if let Policy::Arc(a) = &self.policy {
             bytes += a.bytes();
@@ -799,6 +805,7 @@ impl OffloadManager for HostPool {
 
         // Phase 3: evict (each eviction's Removed event precedes any later Stored event), then
         // reserve a slot for each new key, in the order given.
+        self.last_store.clear();
         let mut cursor = self.policy.victim_cursor();
         for _ in 0..to_evict {
             let Some(v) = self.policy.next_victim(&self.slots, &mut cursor) else {
@@ -829,6 +836,7 @@ impl OffloadManager for HostPool {
             let slots = &self.slots;
             self.map.insert(h, s, |i| mix(slots[i as usize].key()));
             out.slots.push(SlotId(s));
+            self.last_store.push(s);
         }
         self.new_hashes.clear();
         self.unmark_all();
@@ -838,9 +846,15 @@ impl OffloadManager for HostPool {
     }
 
     fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
-        for &key in keys {
+        for (i, &key) in keys.iter().enumerate() {
             let h = mix(key);
-            let Some(s) = self.find(key, h) else {
+            // Usually the keys of the last prepare_store, in order: their slots need no probe.
+            // A slot that holds `key` is `key`'s slot (keys are unique), so the check is exact.
+            let hinted =
+                self.last_store.get(i).copied().filter(|&s| {
+                    self.slots[s as usize].is(key) && self.slots[s as usize].present()
+                });
+            let Some(s) = hinted.or_else(|| self.find(key, h)) else {
                 continue;
             };
             if self.slots[s as usize].refc != -1 {
@@ -888,6 +902,7 @@ impl OffloadManager for HostPool {
         if let Some(t) = &mut self.tracker {
             t.clear();
         }
+        self.last_store.clear();
         self.rebuild_free_stack();
     }
 
