@@ -59,12 +59,19 @@ fn removed(n: u64) -> KvEvent {
 
 #[test]
 fn config_is_validated() {
-    for (c, t, what) in [
-        (0, 0, "slot_count"),
-        (SLOT_COUNT_MAX + 1, 0, "slot_count"),
-        (4, REUSE_THRESHOLD_MAX + 1, "reuse_threshold"),
+    for (c, policy, t, what) in [
+        (0, EvictionPolicy::Lru, 0, "slot_count"),
+        (SLOT_COUNT_MAX + 1, EvictionPolicy::Lru, 0, "slot_count"),
+        // ARC's key table also indexes a ghost per slot.
+        (ARC_SLOT_COUNT_MAX + 1, EvictionPolicy::Arc, 0, "slot_count"),
+        (
+            4,
+            EvictionPolicy::Lru,
+            REUSE_THRESHOLD_MAX + 1,
+            "reuse_threshold",
+        ),
     ] {
-        let mut cfg = config(c, EvictionPolicy::Lru);
+        let mut cfg = config(c, policy);
         cfg.reuse_threshold = t;
         match HostPool::new(cfg) {
             Err(CoreError::InvalidConfig { key, .. }) => assert_eq!(key, what),
