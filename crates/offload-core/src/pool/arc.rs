@@ -239,6 +239,7 @@ impl Arc {
 
     /// Evicts slot `s` (key hash `h`): off T1/T2, and a ghost onto B1/B2 that takes over the
     /// key's table entry in place.
+    #[inline]
     pub(super) fn evict(&mut self, slots: &mut [Slot], map: &mut IndexTable, s: u32, h: u64) {
         let to_b2 = slots[s as usize].list == LIST_T2;
         self.remove(slots, s);
@@ -275,6 +276,7 @@ impl Arc {
 
     /// Takes ghost `g`, whose table entry is gone or taken over, off its list and onto the free
     /// stack.
+    #[inline]
     fn free_ghost(&mut self, g: u32) {
         if self.ghosts[g as usize].fp & 1 == 0 {
             self.b1.unlink(&mut self.ghosts, g);

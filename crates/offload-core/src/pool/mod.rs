@@ -6,8 +6,8 @@
 //! - `slots`: one 24-byte `Slot` per slot: the key, the reference count, the list the slot is on
 //!   and its intrusive list links. Free slots form a stack threaded through the same links.
 //! - `map`: an open-addressing table from the key's mixed hash to the slot index (`table.rs`),
-//!   4-byte buckets, 4 per slot with LRU; with ARC 5 per slot, and the table also holds the
-//!   ghosts (indices from `slot_count` up), at most one per slot.
+//!   4-byte buckets, 4 per slot with LRU; with ARC 6.5 per slot (5.5 with a reuse threshold), and
+//!   the table also holds the ghosts (indices from `slot_count` up), at most one per slot.
 //! - the eviction policy ([`EvictionPolicy`]): LRU (`lru.rs`) or ARC (`arc.rs`, which adds a ghost
 //!   arena of `slot_count` 12-byte fingerprints).
 //! - with a reuse threshold above 1, a bounded lookup counter (`reuse.rs`).
@@ -88,11 +88,19 @@ pub const REUSE_THRESHOLD_MAX: u32 = reuse::COUNT_MAX;
 /// hottest code; a lower load factor shortens them, and LRU's budget allows it.
 const LRU_MAP_BUCKETS_PER_SLOT: (usize, usize) = (4, 1);
 /// Key-table buckets per slot with ARC, whose table holds up to a ghost per slot besides the
-/// present keys: load factor at most 2/5.
-const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (5, 1);
+/// present keys: 6.5, load factor at most 4/13. The probe loops' length (and how often their end
+/// is mispredicted) makes the table's sparsity worth most of what is left of the 64-byte budget.
+const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (13, 2);
+/// The same with a reuse threshold, whose tracker takes 4 bytes per slot: 5.5, load factor at
+/// most 4/11.
+const ARC_TRACKER_MAP_BUCKETS_PER_SLOT: (usize, usize) = (11, 2);
 
-/// Calls with more keys than this dedupe new keys with a hash set instead of a linear scan.
-const DEDUPE_LINEAR_MAX: usize = 16;
+/// Calls with more keys than this dedupe new keys with a hash set; smaller ones with a filter of
+/// [`DEDUPE_FILTER_BITS`] bits of the keys' hashes, and a linear scan only when a key's bit was
+/// already set (for up to 256 keys, at most a quarter of them).
+const DEDUPE_FILTER_MAX: usize = 256;
+/// Size of the dedupe filter.
+const DEDUPE_FILTER_BITS: usize = 1024;
 
 /// `Slot::list` of a free slot.
 const LIST_FREE: u8 = 0;
@@ -250,6 +258,9 @@ pub struct HostPool {
     last_store: Vec<u32>,
     dedupe: Vec<DedupeEntry>,
     dedupe_generation: u32,
+    /// `prepare_store` scratch of calls with at most [`DEDUPE_FILTER_MAX`] keys: a bit per hash
+    /// value of the new keys so far (bits 54 to 63 of the hash).
+    dedupe_filter: [u64; DEDUPE_FILTER_BITS / 64],
 }
 
 impl HostPool {
@@ -298,6 +309,11 @@ impl HostPool {
                 LRU_MAP_BUCKETS_PER_SLOT,
                 c,
             ),
+            EvictionPolicy::Arc if config.reuse_threshold > 1 => (
+                Policy::Arc(arc::Arc::new(c)),
+                ARC_TRACKER_MAP_BUCKETS_PER_SLOT,
+                2 * c,
+            ),
             EvictionPolicy::Arc => (
                 Policy::Arc(arc::Arc::new(c)),
                 ARC_MAP_BUCKETS_PER_SLOT,
@@ -325,6 +341,7 @@ impl HostPool {
             last_store: Vec::new(),
             dedupe: Vec::new(),
             dedupe_generation: 0,
+            dedupe_filter: [0; DEDUPE_FILTER_BITS / 64],
         };
         pool.rebuild_free_stack();
         Ok(pool)
@@ -628,10 +645,17 @@ impl HostPool {
     }
 
     /// Whether `key` (hash `h`) already is among the call's new keys `new_keys` (whose hashes are
-    /// in `self.new_hashes`). Large calls use the scratch hash set, small ones a linear scan.
+    /// in `self.new_hashes`). Large calls use the scratch hash set, others the filter and, when
+    /// the key's bit is already set, a linear scan.
     #[inline]
     fn is_duplicate(&mut self, new_keys: &[ChunkKey], key: ChunkKey, h: u64, large: bool) -> bool {
         if !large {
+            let bit = (h >> 54) as usize;
+            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
+            if self.dedupe_filter[word] & mask == 0 {
+                self.dedupe_filter[word] |= mask;
+                return false;
+            }
             return self
                 .new_hashes
                 .iter()
@@ -659,7 +683,8 @@ impl HostPool {
 
     /// Prepares the dedupe set for a call with `n` keys; returns whether the call uses it.
     fn start_dedupe(&mut self, n: usize) -> bool {
-        if n <= DEDUPE_LINEAR_MAX {
+        if n <= DEDUPE_FILTER_MAX {
+            self.dedupe_filter = [0; DEDUPE_FILTER_BITS / 64];
             return false;
         }
         let want = (2 * n).next_power_of_two();
@@ -684,6 +709,7 @@ impl HostPool {
     }
 
     /// Evicts present idle slot `s`: off the policy, out of the table, onto the free stack.
+    #[inline]
     fn evict(&mut self, s: u32) {
         let slot = self.slots[s as usize];
         debug_assert!(slot.present() && slot.evictable());
@@ -922,15 +948,15 @@ impl OffloadManager for HostPool {
 
     fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
         for (i, &key) in keys.iter().enumerate() {
-            let h = mix(key);
             // Usually the keys of the last prepare_store, in order: their slots need no probe.
             // A slot that holds `key` is `key`'s slot (keys are unique), so the check is exact.
-            let hinted =
-                self.last_store.get(i).copied().filter(|&s| {
-                    self.slots[s as usize].is(key) && self.slots[s as usize].present()
-                });
-            let Some(s) = hinted.or_else(|| self.find(key, h)) else {
-                continue;
+            let hint = self.last_store.get(i).map_or(NIL, |&s| s);
+            let s = match self.slots.get(hint as usize) {
+                Some(slot) if slot.is(key) && slot.present() => hint,
+                _ => match self.find(key, mix(key)) {
+                    Some(s) => s,
+                    None => continue,
+                },
             };
             if self.slots[s as usize].refc != -1 {
                 continue;
@@ -950,7 +976,7 @@ impl OffloadManager for HostPool {
                     Policy::Lru(l) => l.remove(&mut self.slots, s),
                     Policy::Arc(a) => a.remove(&mut self.slots, s),
                 }
-                self.unmap(s, h);
+                self.unmap(s, mix(key));
                 self.push_free(s);
             }
         }
