@@ -321,6 +321,7 @@ impl IndexTable {
 
     /// Removes the entry for `idx`, stored under `h`. `hash_of` gives the hash stored for any
     /// other index (called only for saturated displacements). Returns whether it was found.
+    #[inline]
     pub(crate) fn remove(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
         let Some(i) = self.position(h, idx) else {
             return false;
@@ -333,8 +334,13 @@ impl IndexTable {
             if e == EMPTY || self.disp(e) == 0 {
                 break;
             }
-            let d = self.exact_disp(e, j, &mut hash_of);
-            self.entries[hole] = self.with_disp(e, d as usize - 1);
+            // A displacement stored exactly just drops by one; a saturated one is recomputed.
+            self.entries[hole] = if self.disp(e) < DISP_MAX {
+                e - (1 << DISP_SHIFT)
+            } else {
+                let d = self.exact_disp(e, j, &mut hash_of);
+                self.with_disp(e, d as usize - 1)
+            };
             hole = j;
         }
         self.entries[hole] = EMPTY;
