@@ -7,7 +7,19 @@
 //! returned keys to store, `complete_store(those keys, success)`. `block_ops` counts the keys
 //! handed to each of these calls (lookups including the first miss). These semantics are the
 //! ones other implementations are compared with on the same trace; do not change them.
+//!
+//! [`run_vllm`] runs `crates/kvtier/scripts/bench_vllm_manager.py`, which replays the same trace
+//! with the same semantics at vLLM's own `CPUOffloadingManager` (imported from an installed vllm,
+//! never copied), so `kvtier bench manager --compare-vllm SCRIPT` gives both numbers and their
+//! ratio from one run.
+//!
+//! Each pass is timed by the wall clock and by the thread's CPU time. On a shared machine the
+//! wall clock also counts the time other processes held the core (the passes here take
+//! milliseconds, the Python ones about a second, so they are hit differently); the CPU time does
+//! not, and makes a steadier ratio. Both are reported.
 
+use std::path::Path;
+use std::process::Command;
 use std::time::Instant;
 
 use engine_sim::trace::TraceRecord;
@@ -117,6 +129,13 @@ pub struct ManagerBenchReport {
     pub passes: u32,
     /// Seconds of every pass, in order.
     pub pass_elapsed_s: Vec<f64>,
+    /// `block_ops` over the median pass by thread CPU time (`None` where the platform has no
+    /// thread CPU clock).
+    pub cpu_block_ops_per_s: Option<f64>,
+    /// `block_ops` over the pass with the least thread CPU time.
+    pub best_cpu_block_ops_per_s: Option<f64>,
+    /// Thread CPU seconds of every pass, in order (empty without a thread CPU clock).
+    pub pass_cpu_s: Vec<f64>,
 }
 
 /// Reusable buffers of a pass (allocated before the timer starts).
@@ -197,6 +216,7 @@ pub fn run(
 ) -> Result<ManagerBenchReport, CoreError> {
     let passes = config.passes.max(1);
     let mut times = Vec::with_capacity(passes as usize);
+    let mut cpu_times = Vec::with_capacity(passes as usize);
     let mut first: Option<PassCounts> = None;
     for p in 0..passes {
         let mut pool = bench_pool(config)?;
@@ -208,9 +228,13 @@ pub fn run(
                 slots: Vec::with_capacity(longest),
             },
         };
+        let cpu_start = cpu_time::ThreadTime::try_now().ok();
         let start = Instant::now();
         let counts = replay(&mut pool, trace, &mut scratch)?;
         let elapsed = start.elapsed().as_secs_f64();
+        if let Some(cpu) = cpu_start.and_then(|t| t.try_elapsed().ok()) {
+            cpu_times.push(cpu.as_secs_f64());
+        }
         std::hint::black_box(&pool);
         times.push(elapsed);
         match first {
@@ -238,6 +262,12 @@ pub fn run(
             0.0
         }
     };
+    // Every pass or none has a CPU time.
+    let cpu_sorted = (cpu_times.len() == times.len()).then(|| {
+        let mut v = cpu_times.clone();
+        v.sort_by(f64::total_cmp);
+        v
+    });
     Ok(ManagerBenchReport {
         policy: match config.policy {
             EvictionPolicy::Lru => "lru".into(),
@@ -254,7 +284,140 @@ pub fn run(
         best_block_ops_per_s: per_s(sorted[0]),
         passes,
         pass_elapsed_s: times,
+        cpu_block_ops_per_s: cpu_sorted.as_ref().map(|v| per_s(v[v.len() / 2])),
+        best_cpu_block_ops_per_s: cpu_sorted.as_ref().map(|v| per_s(v[0])),
+        pass_cpu_s: if cpu_sorted.is_some() {
+            cpu_times
+        } else {
+            Vec::new()
+        },
     })
+}
+
+/// What the vLLM script reported (its JSON output, the fields used here).
+#[derive(Clone, Debug, PartialEq, serde::Deserialize, Serialize)]
+pub struct VllmReport {
+    /// The vllm version the script imported.
+    pub vllm_version: String,
+    /// `"full"` (vllm imported as installed) or `"light"` (torch stood in for; see the script).
+    pub import: String,
+    /// Keys found by the prefix lookups, one pass.
+    pub hit_blocks: u64,
+    /// Block operations of one pass.
+    pub block_ops: u64,
+    /// `prepare_store` calls that failed for lack of room, one pass.
+    pub store_failures: u64,
+    /// `block_ops` over the median pass.
+    pub block_ops_per_s: f64,
+    /// `block_ops` over the fastest pass.
+    pub best_block_ops_per_s: f64,
+    /// Seconds of every pass, in order.
+    pub pass_elapsed_s: Vec<f64>,
+    /// `block_ops` over the median pass by thread CPU time.
+    pub cpu_block_ops_per_s: Option<f64>,
+    /// `block_ops` over the pass with the least thread CPU time.
+    pub best_cpu_block_ops_per_s: Option<f64>,
+}
+
+/// The Rust manager and vLLM's on one trace, measured in the same run (`--compare-vllm`).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ManagerComparison {
+    /// The Rust host pool.
+    pub kvtier: ManagerBenchReport,
+    /// vLLM's CPUOffloadingManager.
+    pub vllm: VllmReport,
+    /// kvtier's median-pass block_ops/s over vLLM's.
+    pub ratio: f64,
+    /// kvtier's fastest-pass block_ops/s over vLLM's (the passes least disturbed by other work).
+    pub best_ratio: f64,
+    /// The median passes' ratio by thread CPU time (not counting time other processes held the
+    /// core), where both sides have it.
+    pub cpu_ratio: Option<f64>,
+    /// The fastest passes' ratio by thread CPU time.
+    pub best_cpu_ratio: Option<f64>,
+}
+
+impl ManagerComparison {
+    /// Pairs two reports of the same trace and settings.
+    pub fn new(kvtier: ManagerBenchReport, vllm: VllmReport) -> Self {
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        let both = |a: Option<f64>, b: Option<f64>| Some(ratio(a?, b?));
+        Self {
+            ratio: ratio(kvtier.block_ops_per_s, vllm.block_ops_per_s),
+            best_ratio: ratio(kvtier.best_block_ops_per_s, vllm.best_block_ops_per_s),
+            cpu_ratio: both(kvtier.cpu_block_ops_per_s, vllm.cpu_block_ops_per_s),
+            best_cpu_ratio: both(
+                kvtier.best_cpu_block_ops_per_s,
+                vllm.best_cpu_block_ops_per_s,
+            ),
+            kvtier,
+            vllm,
+        }
+    }
+}
+
+/// Runs the vLLM replay script `script` with `python` on the same trace and settings (`passes`
+/// passes of its own) and reads its one-line JSON report.
+pub fn run_vllm(
+    python: &Path,
+    script: &Path,
+    trace: &Path,
+    limit: Option<usize>,
+    config: &ManagerBenchConfig,
+    passes: u32,
+) -> Result<VllmReport, String> {
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
+        .arg("--trace")
+        .arg(trace)
+        .arg("--capacity-blocks")
+        .arg(config.capacity_blocks.to_string())
+        .arg("--policy")
+        .arg(match config.policy {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Arc => "arc",
+        })
+        .arg("--passes")
+        .arg(passes.max(1).to_string());
+    if let Some(n) = limit {
+        cmd.arg("--limit").arg(n.to_string());
+    }
+    let what = format!("{} {}", python.display(), script.display());
+    let out = cmd
+        .output()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().last().unwrap_or("").trim();
+        return Err(format!("{what} failed ({}): {last}", out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().unwrap_or("");
+    serde_json::from_str(line).map_err(|e| format!("{what} printed no report ({e}): {line:?}"))
+}
+
+/// The comparison as lines for people, after the kvtier table.
+pub fn render_comparison(c: &ManagerComparison) -> String {
+    let mut text = render(&c.kvtier);
+    text.push_str(&format!(
+        "vllm             {} ({} import), {} pass(es), hit_blocks {}, block_ops {}\n\
+         vllm_ops_per_s   {:>14.0}  ({:.3} M/s; fastest pass {:.3} M/s)\n\
+         ratio            {:>14.1}  (median passes; fastest passes {:.1})\n\
+         cpu_ratio        {:>14}  (by thread CPU time: median passes; fastest passes {})\n",
+        c.vllm.vllm_version,
+        c.vllm.import,
+        c.vllm.pass_elapsed_s.len(),
+        c.vllm.hit_blocks,
+        c.vllm.block_ops,
+        c.vllm.block_ops_per_s,
+        c.vllm.block_ops_per_s / 1e6,
+        c.vllm.best_block_ops_per_s / 1e6,
+        c.ratio,
+        c.best_ratio,
+        c.cpu_ratio.map_or("-".into(), |r| format!("{r:.1}")),
+        c.best_cpu_ratio.map_or("-".into(), |r| format!("{r:.1}")),
+    ));
+    text
 }
 
 /// The report as a table for people.
@@ -279,7 +442,8 @@ pub fn render(report: &ManagerBenchReport) -> String {
          block_ops        {:>14}\n\
          store_failures   {:>14}\n\
          elapsed_s        {:>14.6}  (median pass; passes: {})\n\
-         block_ops_per_s  {:>14.0}  ({:.1} M/s; fastest pass {:.1} M/s)\n",
+         block_ops_per_s  {:>14.0}  ({:.1} M/s; fastest pass {:.1} M/s)\n\
+         cpu_ops_per_s    {:>14}  (by thread CPU time; fastest pass {})\n",
         report.policy,
         report.capacity_blocks,
         report.passes,
@@ -294,6 +458,12 @@ pub fn render(report: &ManagerBenchReport) -> String {
         report.block_ops_per_s,
         report.block_ops_per_s / 1e6,
         report.best_block_ops_per_s / 1e6,
+        report
+            .cpu_block_ops_per_s
+            .map_or("-".into(), |r| format!("{r:.0}")),
+        report
+            .best_cpu_block_ops_per_s
+            .map_or("-".into(), |r| format!("{:.1} M/s", r / 1e6)),
     )
 }
 
@@ -497,6 +667,58 @@ mod tests {
         assert_eq!(counts.hit_blocks, 2);
         assert_eq!(counts.block_ops, 10 + 12 + 11);
         assert_eq!(counts.store_failures, 1);
+    }
+
+    /// A stand-in for the vLLM script: a shell script that checks its arguments and prints a
+    /// report (or fails), run with `sh` as the "python".
+    fn fake_script(name: &str, body: &str) -> std::path::PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("kvtier-fake-vllm-{}-{name}.sh", std::process::id()));
+        std::fs::write(&path, body).unwrap();
+        path
+    }
+
+    #[test]
+    fn vllm_comparison_passes_the_settings_and_reads_the_report() {
+        let script = fake_script(
+            "ok",
+            r#"[ "$2" = trace.jsonl ] && [ "$4" = 64 ] && [ "$6" = arc ] && [ "$8" = 2 ] \
+                && [ "${10}" = 7 ] || { echo "bad args: $*" >&2; exit 3; }
+echo progress on stdout first
+echo '{"vllm_version": "0.33.0", "import": "light", "hit_blocks": 5, "block_ops": 100,
+ "store_failures": 0, "block_ops_per_s": 1000.0, "best_block_ops_per_s": 2000.0,
+ "pass_elapsed_s": [0.1, 0.05], "cpu_block_ops_per_s": 1500.0,
+ "best_cpu_block_ops_per_s": 2500.0, "extra": 1}' | tr -d '\n'
+"#,
+        );
+        let config = ManagerBenchConfig {
+            capacity_blocks: 64,
+            policy: EvictionPolicy::Arc,
+            passes: 1,
+        };
+        let sh = std::path::Path::new("sh");
+        let trace = std::path::Path::new("trace.jsonl");
+        let vllm = run_vllm(sh, &script, trace, Some(7), &config, 2).unwrap();
+        assert_eq!(vllm.block_ops, 100);
+        assert_eq!(vllm.import, "light");
+        let records = generated_trace(50, 1);
+        let report = run(&ManagerTrace::from_records(&records), &config, &mut |_| {}).unwrap();
+        let c = ManagerComparison::new(report.clone(), vllm);
+        assert_eq!(c.ratio, report.block_ops_per_s / 1000.0);
+        assert_eq!(c.best_ratio, report.best_block_ops_per_s / 2000.0);
+        if let Some(cpu) = report.cpu_block_ops_per_s {
+            assert_eq!(c.cpu_ratio, Some(cpu / 1500.0));
+        }
+        assert!(render_comparison(&c).contains("ratio"));
+
+        // Wrong settings: the script fails, and its last error line is in the message.
+        let err = run_vllm(sh, &script, trace, None, &config, 2).unwrap_err();
+        assert!(err.contains("bad args"), "{err}");
+        let silent = fake_script("silent", "echo not json\n");
+        let err = run_vllm(sh, &silent, trace, None, &config, 2).unwrap_err();
+        assert!(err.contains("printed no report"), "{err}");
+        let _ = std::fs::remove_file(script);
+        let _ = std::fs::remove_file(silent);
     }
 
     #[test]

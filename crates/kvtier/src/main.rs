@@ -258,6 +258,17 @@ struct ManagerArgs {
     /// Read only the first N requests of the trace.
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
+    /// Also replay the trace at vLLM's CPUOffloadingManager with this script
+    /// (crates/kvtier/scripts/bench_vllm_manager.py), after kvtier's passes, and print both and
+    /// their ratio.
+    #[arg(long, value_name = "SCRIPT")]
+    compare_vllm: Option<PathBuf>,
+    /// The Python that runs the --compare-vllm script (one with vllm installed).
+    #[arg(long, value_name = "PYTHON", default_value = "python3")]
+    python: PathBuf,
+    /// Passes of the vLLM replay (each takes about a second on the Mooncake trace).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    vllm_passes: u32,
 }
 
 /// How a command ended when it did not succeed.
@@ -360,11 +371,31 @@ fn bench_manager_cmd(args: &ManagerArgs, json: bool) -> Result<(), Failure> {
     };
     let report = bench_manager::run(&trace, &config, &mut |m| progress.set(m))
         .map_err(|e| Failure::Input(format!("--capacity-blocks: {e}")))?;
+    let Some(script) = &args.compare_vllm else {
+        progress.finish();
+        return if json {
+            print_json(&report)
+        } else {
+            print!("{}", bench_manager::render(&report));
+            Ok(())
+        };
+    };
+    progress.set("replaying at vLLM's manager");
+    let vllm = bench_manager::run_vllm(
+        &args.python,
+        script,
+        &args.trace,
+        args.limit,
+        &config,
+        args.vllm_passes,
+    )
+    .map_err(|e| Failure::Input(format!("--compare-vllm: {e}")))?;
     progress.finish();
+    let comparison = bench_manager::ManagerComparison::new(report, vllm);
     if json {
-        print_json(&report)
+        print_json(&comparison)
     } else {
-        print!("{}", bench_manager::render(&report));
+        print!("{}", bench_manager::render_comparison(&comparison));
         Ok(())
     }
 }

@@ -189,6 +189,30 @@ fn bad_trace_line_is_named() {
 }
 
 #[test]
+fn compare_vllm_script_that_cannot_run_is_one_line() {
+    let path = temp_file("cmp.jsonl", &small_trace(5));
+    let out = kvtier(&[
+        "bench",
+        "manager",
+        "--trace",
+        path.to_str().unwrap(),
+        "--capacity-blocks",
+        "16",
+        "--compare-vllm",
+        "/nonexistent/bench_vllm_manager.py",
+        "--python",
+        "/nonexistent/python",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("--compare-vllm") && err.contains("/nonexistent/python"),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
+#[test]
 fn missing_trace_file_is_named() {
     let out = kvtier(&[
         "bench",

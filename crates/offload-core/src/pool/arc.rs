@@ -1,10 +1,10 @@
 //! Adaptive replacement cache (ARC) eviction, after vLLM's ARC offloading manager.
 //!
 //! Present chunks are on T1 (seen once: stored but not touched since) or T2 (touched at least
-//! once). Evicted chunks leave a ghost on B1 or B2: a fingerprint of the key (31 bits kept in the
-//! ghost, plus the ghost table's tag bits; a false ghost hit only nudges the target). The target
-//! size `p` of T1 adapts: touching a key whose ghost is on B1 grows it by max(1, |B2|/|B1|),
-//! touching one on B2 shrinks it by max(1, |B1|/|B2|), within [0, slot_count].
+//! once). Evicted chunks leave a ghost on B1 or B2: a fingerprint of the key (the high word of its
+//! mixed hash, kept in the ghost, plus the table's tag bits; a false ghost hit only nudges the
+//! target). The target size `p` of T1 adapts: touching a key whose ghost is on B1 grows it by
+//! max(1, |B2|/|B1|), touching one on B2 shrinks it by max(1, |B1|/|B2|), within [0, slot_count].
 //!
 //! - insert: new chunks go to the head of T1; their ghost, if any, is dropped.
 //! - touch (walked in reverse by the pool): T1 -> head of T2; T2 -> head of T2; ghost -> adapt p.
@@ -18,9 +18,14 @@
 //!   empty, else the least recent ghost of B2. (vLLM bounds each ghost list by the capacity
 //!   separately; one shared bound halves the memory.)
 //! - a failed store leaves no ghost.
+//!
+//! Ghosts live in the pool's key table beside the present keys: index `i < slot_count` names slot
+//! `i`, index `slot_count + g` names ghost `g` (see [`GhostTable`]). So one probe of a touched key
+//! finds its slot or its ghost, an eviction turns the key's table entry into its ghost's in place,
+//! and storing a key again turns its ghost's entry back into the slot's, with nothing moved.
 
 use super::list::{Link, Linked, List, NIL};
-use super::table::IndexTable;
+use super::table::{mix, IndexTable};
 use super::{Slot, VictimCursor, LIST_FREE, LIST_MAIN, LIST_T2};
 
 /// T1 is the pool's main list tag.
@@ -29,8 +34,8 @@ const LIST_T1: u8 = LIST_MAIN;
 // The memory budget (design.md section 7) counts on this size.
 const _: () = assert!(std::mem::size_of::<Ghost>() == 12);
 
-/// A ghost: the high word of a recently evicted key's ghost hash (see [`ghost_hash`]), whose
-/// bit 0 (always 0 in the hash) says which ghost list it is on (0: B1, 1: B2). 12 bytes.
+/// A ghost: the high word of a recently evicted key's mixed hash (whose bit 0 is always 0, see
+/// [`mix`]), with bit 0 saying which ghost list it is on (0: B1, 1: B2). 12 bytes.
 #[derive(Clone, Copy, Debug)]
 struct Ghost {
     fp: u32,
@@ -48,25 +53,32 @@ impl Linked for Ghost {
     }
 }
 
-/// The hash a ghost is filed under in the ghost table: the key's mixed hash with bit 32 cleared,
-/// so that bit 0 of the stored high word is free for the list flag, and the high word alone
-/// rebuilds the table's home bucket.
+/// The fingerprint a ghost of the key with mixed hash `h` keeps (list flag clear).
 #[inline]
-fn ghost_hash(h: u64) -> u64 {
-    h & !(1 << 32)
+fn ghost_fp(h: u64) -> u32 {
+    (h >> 32) as u32
 }
 
-/// The high word of a ghost hash, as stored in a ghost (list flag clear).
-#[inline]
-fn ghost_fp(gh: u64) -> u32 {
-    (gh >> 32) as u32
-}
-
-/// The ghost hash rebuilt from a stored ghost: the high word exactly (enough for the table's home
+/// The hash rebuilt from a stored ghost: the high word exactly (enough for the table's home
 /// bucket); the low word is not kept.
 #[inline]
 fn ghost_hash_of(g: &Ghost) -> u64 {
     u64::from(g.fp & !1) << 32
+}
+
+/// How the pool's key table indexes ghosts: after the slots.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GhostTable {
+    /// The first table index that names a ghost (the slot count).
+    pub(super) base: u32,
+}
+
+impl GhostTable {
+    /// Whether table index `i` names a ghost.
+    #[inline]
+    pub(super) fn is_ghost(self, i: u32) -> bool {
+        i >= self.base
+    }
 }
 
 /// The ARC policy's state.
@@ -80,20 +92,13 @@ pub(super) struct Arc {
     target: u32,
     capacity: u32,
     ghosts: Vec<Ghost>,
-    ghost_map: IndexTable,
     /// Head of the stack of unused ghost entries, linked through `link.next`.
     ghost_free: u32,
 }
 
-/// Ghost-table buckets per ghost entry: load factor at most 2/5.
-const GHOST_TABLE_FACTOR_NUM: usize = 5;
-const GHOST_TABLE_FACTOR_DEN: usize = 2;
-
 impl Arc {
     /// A policy for a pool of `capacity` slots (at most `capacity` ghosts).
     pub(super) fn new(capacity: u32) -> Self {
-        let table_capacity =
-            (capacity as usize * GHOST_TABLE_FACTOR_NUM).div_ceil(GHOST_TABLE_FACTOR_DEN) + 1;
         let mut arc = Self {
             t1: List::EMPTY,
             t2: List::EMPTY,
@@ -108,11 +113,35 @@ impl Arc {
                 };
                 capacity as usize
             ],
-            ghost_map: IndexTable::new(capacity, table_capacity),
             ghost_free: NIL,
         };
         arc.clear();
         arc
+    }
+
+    /// Where ghosts sit in the key table.
+    #[inline]
+    pub(super) fn ghost_table(&self) -> GhostTable {
+        GhostTable {
+            base: self.capacity,
+        }
+    }
+
+    /// The hash of table index `i`, a slot or a ghost (exact in the high word, which is all the
+    /// table needs to rebuild a home bucket).
+    #[inline]
+    pub(super) fn hash_at(&self, slots: &[Slot], i: u32) -> u64 {
+        if i < self.capacity {
+            mix(slots[i as usize].key())
+        } else {
+            ghost_hash_of(&self.ghosts[(i - self.capacity) as usize])
+        }
+    }
+
+    /// Whether table index `i` is a ghost with the fingerprint of the key with mixed hash `h`.
+    #[inline]
+    pub(super) fn is_ghost_of(&self, i: u32, h: u64) -> bool {
+        i >= self.capacity && self.ghosts[(i - self.capacity) as usize].fp & !1 == ghost_fp(h)
     }
 
     /// The adaptive target size of T1.
@@ -125,17 +154,24 @@ impl Arc {
         [self.t1.len, self.t2.len, self.b1.len, self.b2.len]
     }
 
-    /// Puts the newly reserved slot `s` (key hash `h`) at the head of T1, dropping its ghost.
+    /// Puts the newly reserved slot `s` (key hash `h`) at the head of T1 and into the key table;
+    /// a ghost of the key gives up its table entry to the slot.
     #[inline]
-    pub(super) fn insert(&mut self, slots: &mut [Slot], s: u32, h: u64) {
+    pub(super) fn insert(&mut self, slots: &mut [Slot], map: &mut IndexTable, s: u32, h: u64) {
         debug_assert_eq!(slots[s as usize].list, LIST_FREE);
-        if self.ghost_map.len() > 0 {
-            if let Some(g) = self.find_ghost(h) {
-                self.remove_ghost(g);
-            }
-        }
         slots[s as usize].list = LIST_T1;
         self.t1.push_front(slots, s);
+        let this = &*self;
+        let slots_ro = &*slots;
+        let old = map.insert_or_replace(
+            h,
+            s,
+            |i| this.is_ghost_of(i, h),
+            |i| this.hash_at(slots_ro, i),
+        );
+        if let Some(i) = old {
+            self.free_ghost(i - self.capacity);
+        }
     }
 
     /// Takes slot `s` off its list (failed store: no ghost).
@@ -163,15 +199,10 @@ impl Arc {
         }
     }
 
-    /// An access to an absent key with hash `h`: a ghost hit adapts the target.
+    /// An access to a key whose ghost has table index `i`: adapts the target.
     #[inline]
-    pub(super) fn touch_absent(&mut self, h: u64) {
-        if self.ghost_map.len() == 0 {
-            return;
-        }
-        let Some(g) = self.find_ghost(h) else {
-            return;
-        };
+    pub(super) fn ghost_hit(&mut self, i: u32) {
+        let g = i - self.capacity;
         let (b1, b2) = (self.b1.len, self.b2.len);
         if self.ghosts[g as usize].fp & 1 == 0 {
             let delta = b2.checked_div(b1).map_or(1, |d| d.max(1));
@@ -206,37 +237,32 @@ impl Arc {
         }
     }
 
-    /// Evicts slot `s` (key hash `h`): off T1/T2, and a ghost onto B1/B2.
-    pub(super) fn evict(&mut self, slots: &mut [Slot], s: u32, h: u64) {
+    /// Evicts slot `s` (key hash `h`): off T1/T2, and a ghost onto B1/B2 that takes over the
+    /// key's table entry in place.
+    #[inline]
+    pub(super) fn evict(&mut self, slots: &mut [Slot], map: &mut IndexTable, s: u32, h: u64) {
         let to_b2 = slots[s as usize].list == LIST_T2;
         self.remove(slots, s);
-        self.push_ghost(h, to_b2);
-    }
-
-    #[inline]
-    fn find_ghost(&self, h: u64) -> Option<u32> {
-        let gh = ghost_hash(h);
-        let fp = ghost_fp(gh);
-        let ghosts = &self.ghosts;
-        self.ghost_map
-            .find(gh, |g| ghosts[g as usize].fp & !1 == fp)
-    }
-
-    fn push_ghost(&mut self, h: u64, to_b2: bool) {
-        debug_assert!(self.find_ghost(h).is_none(), "a present key has a ghost");
         if self.b1.len + self.b2.len >= self.capacity {
             let from_b1 =
                 self.b1.len > 0 && (self.t1.len + self.b1.len >= self.capacity || self.b2.len == 0);
             let g = if from_b1 { self.b1.tail } else { self.b2.tail };
             debug_assert_ne!(g, NIL);
-            self.remove_ghost(g);
+            let this = &*self;
+            let slots_ro = &*slots;
+            let found = map.remove(
+                ghost_hash_of(&self.ghosts[g as usize]),
+                self.capacity + g,
+                |i| this.hash_at(slots_ro, i),
+            );
+            debug_assert!(found, "ghost {g} missing from the key table");
+            self.free_ghost(g);
         }
         let g = self.ghost_free;
         debug_assert_ne!(g, NIL, "ghost arena exhausted");
         self.ghost_free = self.ghosts[g as usize].link.next;
-        let gh = ghost_hash(h);
         self.ghosts[g as usize] = Ghost {
-            fp: ghost_fp(gh) | u32::from(to_b2),
+            fp: ghost_fp(h) | u32::from(to_b2),
             link: Link::UNLINKED,
         };
         if to_b2 {
@@ -244,23 +270,19 @@ impl Arc {
         } else {
             self.b1.push_front(&mut self.ghosts, g);
         }
-        let ghosts = &self.ghosts;
-        self.ghost_map
-            .insert(gh, g, |i| ghost_hash_of(&ghosts[i as usize]));
+        let found = map.replace(h, s, self.capacity + g);
+        debug_assert!(found, "slot {s} missing from the key table");
     }
 
-    fn remove_ghost(&mut self, g: u32) {
-        let ghost = self.ghosts[g as usize];
-        if ghost.fp & 1 == 0 {
+    /// Takes ghost `g`, whose table entry is gone or taken over, off its list and onto the free
+    /// stack.
+    #[inline]
+    fn free_ghost(&mut self, g: u32) {
+        if self.ghosts[g as usize].fp & 1 == 0 {
             self.b1.unlink(&mut self.ghosts, g);
         } else {
             self.b2.unlink(&mut self.ghosts, g);
         }
-        let ghosts = &self.ghosts;
-        let found = self.ghost_map.remove(ghost_hash_of(&ghost), g, |i| {
-            ghost_hash_of(&ghosts[i as usize])
-        });
-        debug_assert!(found, "ghost {g} missing from the ghost table");
         self.ghosts[g as usize].link.next = self.ghost_free;
         self.ghost_free = g;
     }
@@ -272,7 +294,6 @@ impl Arc {
         self.b1 = List::EMPTY;
         self.b2 = List::EMPTY;
         self.target = 0;
-        self.ghost_map.clear();
         let n = self.ghosts.len() as u32;
         for (i, g) in self.ghosts.iter_mut().enumerate() {
             let next = i as u32 + 1;
@@ -287,19 +308,29 @@ impl Arc {
         self.ghost_free = if n == 0 { NIL } else { 0 };
     }
 
-    /// Bytes of memory held (ghost arena and ghost table; slot links live in the slots).
+    /// Bytes of memory held (the ghost arena; ghost entries of the key table and slot links are
+    /// counted by the pool).
     pub(super) fn bytes(&self) -> usize {
-        self.ghosts.capacity() * std::mem::size_of::<Ghost>() + self.ghost_map.bytes()
+        self.ghosts.capacity() * std::mem::size_of::<Ghost>()
     }
 
     /// Whether the key with hash `h` has a ghost, and on which list (false: B1, true: B2).
-    pub(super) fn ghost_list_of(&self, h: u64) -> Option<bool> {
-        self.find_ghost(h)
-            .map(|g| self.ghosts[g as usize].fp & 1 == 1)
+    pub(super) fn ghost_list_of(&self, map: &IndexTable, h: u64) -> Option<bool> {
+        map.find(h, |i| self.is_ghost_of(i, h))
+            .map(|i| self.ghosts[(i - self.capacity) as usize].fp & 1 == 1)
+    }
+
+    /// Number of ghosts (B1 and B2).
+    pub(super) fn ghost_count(&self) -> u32 {
+        self.b1.len + self.b2.len
     }
 
     /// T1 and T2 in recency order, most recent first; checks links, tags, ghost bookkeeping.
-    pub(super) fn order(&self, slots: &[Slot]) -> Result<(Vec<u32>, Vec<u32>), String> {
+    pub(super) fn order(
+        &self,
+        slots: &[Slot],
+        map: &IndexTable,
+    ) -> Result<(Vec<u32>, Vec<u32>), String> {
         let t1 = self.t1.collect(slots)?;
         let t2 = self.t2.collect(slots)?;
         if let Some(&bad) = t1.iter().find(|&&s| slots[s as usize].list != LIST_T1) {
@@ -318,16 +349,14 @@ impl Arc {
         if self.b1.len + self.b2.len > self.capacity {
             return Err("more ghosts than slots".into());
         }
-        if self.ghost_map.len() != self.b1.len + self.b2.len {
-            return Err("ghost table size != ghost count".into());
-        }
         if self.target > self.capacity {
             return Err(format!("ARC target {} > capacity", self.target));
         }
-        let ghosts = &self.ghosts;
-        // Ghosts keep only the high word of their hash, so the table's tags cannot be checked.
-        self.ghost_map
-            .check(|g| ghost_hash_of(&ghosts[g as usize]), false)?;
+        for g in b1.iter().chain(&b2) {
+            if !map.contains(ghost_hash_of(&self.ghosts[*g as usize]), self.capacity + g) {
+                return Err(format!("ghost {g} missing from the key table"));
+            }
+        }
         Ok((t1, t2))
     }
 }

@@ -6,9 +6,10 @@
 //! - `slots`: one 24-byte `Slot` per slot: the key, the reference count, the list the slot is on
 //!   and its intrusive list links. Free slots form a stack threaded through the same links.
 //! - `map`: an open-addressing table from the key's mixed hash to the slot index (`table.rs`),
-//!   4-byte buckets, 4 per slot with LRU and 3 with ARC.
+//!   4-byte buckets, 4 per slot with LRU; with ARC 6.5 per slot (5.5 with a reuse threshold), and
+//!   the table also holds the ghosts (indices from `slot_count` up), at most one per slot.
 //! - the eviction policy ([`EvictionPolicy`]): LRU (`lru.rs`) or ARC (`arc.rs`, which adds a ghost
-//!   arena of `slot_count` 12-byte fingerprints and their table).
+//!   arena of `slot_count` 12-byte fingerprints).
 //! - with a reuse threshold above 1, a bounded lookup counter (`reuse.rs`).
 //!
 //! [`HostPool::metadata_bytes_per_slot`] adds these up; it stays at or below 64 bytes.
@@ -74,6 +75,9 @@ pub struct PoolConfig {
 /// Most slots a pool may have (2^28 - 1; at 1 MiB per chunk, 256 TiB).
 pub const SLOT_COUNT_MAX: u32 = table::ARENA_LEN_MAX;
 
+/// Most slots an ARC pool may have (2^27 - 1): its key table also indexes one ghost per slot.
+pub const ARC_SLOT_COUNT_MAX: u32 = table::ARENA_LEN_MAX / 2;
+
 /// Most loads that may read one slot at once; a `prepare_load` beyond it fails.
 pub const READERS_PER_SLOT_MAX: i32 = i16::MAX as i32;
 
@@ -83,12 +87,20 @@ pub const REUSE_THRESHOLD_MAX: u32 = reuse::COUNT_MAX;
 /// Key-table buckets per slot with LRU: load factor at most 1/4. The table's probe loops are the
 /// hottest code; a lower load factor shortens them, and LRU's budget allows it.
 const LRU_MAP_BUCKETS_PER_SLOT: (usize, usize) = (4, 1);
-/// Key-table buckets per slot with ARC (whose ghosts take part of the 64-byte budget): load
-/// factor at most 1/3.
-const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (3, 1);
+/// Key-table buckets per slot with ARC, whose table holds up to a ghost per slot besides the
+/// present keys: 6.5, load factor at most 4/13. The probe loops' length (and how often their end
+/// is mispredicted) makes the table's sparsity worth most of what is left of the 64-byte budget.
+const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (13, 2);
+/// The same with a reuse threshold, whose tracker takes 4 bytes per slot: 5.5, load factor at
+/// most 4/11.
+const ARC_TRACKER_MAP_BUCKETS_PER_SLOT: (usize, usize) = (11, 2);
 
-/// Calls with more keys than this dedupe new keys with a hash set instead of a linear scan.
-const DEDUPE_LINEAR_MAX: usize = 16;
+/// Calls with more keys than this dedupe new keys with a hash set; smaller ones with a filter of
+/// [`DEDUPE_FILTER_BITS`] bits of the keys' hashes, and a linear scan only when a key's bit was
+/// already set (for up to 256 keys, at most a quarter of them).
+const DEDUPE_FILTER_MAX: usize = 256;
+/// Size of the dedupe filter.
+const DEDUPE_FILTER_BITS: usize = 1024;
 
 /// `Slot::list` of a free slot.
 const LIST_FREE: u8 = 0;
@@ -193,6 +205,16 @@ impl Policy {
     }
 }
 
+/// The hash of key-table index `i`: slot `i`'s key, or with ARC past the slots a ghost's (exact
+/// in the high word, which is all the table needs to rebuild a home bucket).
+#[inline]
+fn hash_at(slots: &[Slot], policy: &Policy, i: u32) -> u64 {
+    match policy {
+        Policy::Lru(_) => mix(slots[i as usize].key()),
+        Policy::Arc(a) => a.hash_at(slots, i),
+    }
+}
+
 /// An entry of the scratch set that dedupes new keys within one large `prepare_store` call.
 #[derive(Clone, Copy, Debug, Default)]
 struct DedupeEntry {
@@ -230,8 +252,15 @@ pub struct HostPool {
     new_hashes: Vec<u64>,
     /// `prepare_store` scratch: slots marked as named by the call.
     marked: Vec<u32>,
+    /// The slots the last successful `prepare_store` reserved, in order: `complete_store` tries
+    /// `last_store[i]` for its `i`-th key before probing the table (a hint, checked against the
+    /// slot's key and state, so a stale one only costs the check).
+    last_store: Vec<u32>,
     dedupe: Vec<DedupeEntry>,
     dedupe_generation: u32,
+    /// `prepare_store` scratch of calls with at most [`DEDUPE_FILTER_MAX`] keys: a bit per hash
+    /// value of the new keys so far (bits 54 to 63 of the hash).
+    dedupe_filter: [u64; DEDUPE_FILTER_BITS / 64],
 }
 
 impl HostPool {
@@ -254,6 +283,15 @@ impl HostPool {
                 ),
             });
         }
+        if config.policy == EvictionPolicy::Arc && config.slot_count > ARC_SLOT_COUNT_MAX {
+            return Err(CoreError::InvalidConfig {
+                key: "slot_count",
+                reason: format!(
+                    "{} is out of range for ARC; expected 1 to {ARC_SLOT_COUNT_MAX}",
+                    config.slot_count
+                ),
+            });
+        }
         if config.reuse_threshold > REUSE_THRESHOLD_MAX {
             return Err(CoreError::InvalidConfig {
                 key: "reuse_threshold",
@@ -264,9 +302,23 @@ impl HostPool {
             });
         }
         let c = config.slot_count;
-        let (policy, buckets_per_slot) = match config.policy {
-            EvictionPolicy::Lru => (Policy::Lru(lru::Lru::default()), LRU_MAP_BUCKETS_PER_SLOT),
-            EvictionPolicy::Arc => (Policy::Arc(arc::Arc::new(c)), ARC_MAP_BUCKETS_PER_SLOT),
+        // ARC's ghosts share the key table, indexed after the slots.
+        let (policy, buckets_per_slot, indices) = match config.policy {
+            EvictionPolicy::Lru => (
+                Policy::Lru(lru::Lru::default()),
+                LRU_MAP_BUCKETS_PER_SLOT,
+                c,
+            ),
+            EvictionPolicy::Arc if config.reuse_threshold > 1 => (
+                Policy::Arc(arc::Arc::new(c)),
+                ARC_TRACKER_MAP_BUCKETS_PER_SLOT,
+                2 * c,
+            ),
+            EvictionPolicy::Arc => (
+                Policy::Arc(arc::Arc::new(c)),
+                ARC_MAP_BUCKETS_PER_SLOT,
+                2 * c,
+            ),
         };
         let tracker = (config.reuse_threshold > 1).then(|| ReuseTracker::new(c));
         let mut pool = Self {
@@ -274,7 +326,7 @@ impl HostPool {
             strict,
             slots: vec![Slot::FREE; c as usize],
             map: IndexTable::new(
-                c,
+                indices,
                 (c as usize * buckets_per_slot.0).div_ceil(buckets_per_slot.1) + 1,
             ),
             free_head: NIL,
@@ -286,8 +338,10 @@ impl HostPool {
             events: Vec::new(),
             new_hashes: Vec::new(),
             marked: Vec::new(),
+            last_store: Vec::new(),
             dedupe: Vec::new(),
             dedupe_generation: 0,
+            dedupe_filter: [0; DEDUPE_FILTER_BITS / 64],
         };
         pool.rebuild_free_stack();
         Ok(pool)
@@ -371,7 +425,7 @@ impl HostPool {
         let mut order = match &self.policy {
             Policy::Lru(l) => l.order(&self.slots).unwrap_or_default(),
             Policy::Arc(a) => a
-                .order(&self.slots)
+                .order(&self.slots, &self.map)
                 .map(|(t1, t2)| t2.into_iter().chain(t1).collect())
                 .unwrap_or_default(),
         };
@@ -392,6 +446,7 @@ impl HostPool {
             + self.map.bytes()
             + self.new_hashes.capacity() * std::mem::size_of::<u64>()
             + self.marked.capacity() * std::mem::size_of::<u32>()
+            + self.last_store.capacity() * std::mem::size_of::<u32>()
             + self.dedupe.capacity() * std::mem::size_of::<DedupeEntry>();
         if let Policy::Arc(a) = &self.policy {
             bytes += a.bytes();
@@ -456,21 +511,26 @@ impl HostPool {
                 self.idle_count
             ));
         }
-        if self.map.len() as usize != present {
+        let ghosts = match &self.policy {
+            Policy::Lru(_) => 0,
+            Policy::Arc(a) => a.ghost_count() as usize,
+        };
+        if self.map.len() as usize != present + ghosts {
             return Err(format!(
-                "key table holds {}, {present} present",
+                "key table holds {}, {present} present and {ghosts} ghosts",
                 self.map.len()
             ));
         }
-        let slots = &self.slots;
-        self.map.check(|s| mix(slots[s as usize].key()), true)?;
+        // Ghosts keep only the high word of their hash, so only slot entries' tags are checked.
+        let slot_count = self.config.slot_count;
+        self.map.check(|i| self.hash_at(i), |i| i < slot_count)?;
         let on_lists = match &self.policy {
             Policy::Lru(l) => l.order(&self.slots)?.len(),
             Policy::Arc(a) => {
-                let (t1, t2) = a.order(&self.slots)?;
+                let (t1, t2) = a.order(&self.slots, &self.map)?;
                 for s in t1.iter().chain(&t2) {
                     let h = mix(self.slots[*s as usize].key());
-                    if a.ghost_list_of(h).is_some() {
+                    if a.ghost_list_of(&self.map, h).is_some() {
                         return Err(format!("present slot {s} also has a ghost"));
                     }
                 }
@@ -497,10 +557,14 @@ impl HostPool {
     #[inline]
     fn debug_check_counts(&self) {
         debug_assert!(self.free_count <= self.config.slot_count);
+        let ghosts = match &self.policy {
+            Policy::Lru(_) => 0,
+            Policy::Arc(a) => a.ghost_count() as usize,
+        };
         debug_assert_eq!(
             self.map.len() as usize,
-            self.len(),
-            "key table != present keys"
+            self.len() + ghosts,
+            "key table != present keys + ghosts"
         );
         debug_assert!(
             self.idle_count as usize <= self.len(),
@@ -512,7 +576,17 @@ impl HostPool {
     #[inline]
     fn find(&self, key: ChunkKey, h: u64) -> Option<u32> {
         let slots = &self.slots;
-        self.map.find(h, |s| slots[s as usize].is(key))
+        // With ARC, indices past the slots are ghosts: never a present key.
+        self.map.find(h, |s| {
+            slots.get(s as usize).is_some_and(|slot| slot.is(key))
+        })
+    }
+
+    /// The hash of key-table index `i` (a slot, or with ARC a ghost: then exact in the high word,
+    /// which is all the table needs).
+    #[inline]
+    fn hash_at(&self, i: u32) -> u64 {
+        hash_at(&self.slots, &self.policy, i)
     }
 
     fn rebuild_free_stack(&mut self) {
@@ -560,8 +634,8 @@ impl HostPool {
     /// Removes present slot `s` (whose key has hash `h`) from the key table.
     #[inline]
     fn unmap(&mut self, s: u32, h: u64) {
-        let slots = &self.slots;
-        let found = self.map.remove(h, s, |i| mix(slots[i as usize].key()));
+        let (slots, policy) = (&self.slots, &self.policy);
+        let found = self.map.remove(h, s, |i| hash_at(slots, policy, i));
         debug_assert!(found, "slot {s} missing from the key table");
     }
 
@@ -571,10 +645,17 @@ impl HostPool {
     }
 
     /// Whether `key` (hash `h`) already is among the call's new keys `new_keys` (whose hashes are
-    /// in `self.new_hashes`). Large calls use the scratch hash set, small ones a linear scan.
+    /// in `self.new_hashes`). Large calls use the scratch hash set, others the filter and, when
+    /// the key's bit is already set, a linear scan.
     #[inline]
     fn is_duplicate(&mut self, new_keys: &[ChunkKey], key: ChunkKey, h: u64, large: bool) -> bool {
         if !large {
+            let bit = (h >> 54) as usize;
+            let (word, mask) = (bit / 64, 1u64 << (bit % 64));
+            if self.dedupe_filter[word] & mask == 0 {
+                self.dedupe_filter[word] |= mask;
+                return false;
+            }
             return self
                 .new_hashes
                 .iter()
@@ -602,7 +683,8 @@ impl HostPool {
 
     /// Prepares the dedupe set for a call with `n` keys; returns whether the call uses it.
     fn start_dedupe(&mut self, n: usize) -> bool {
-        if n <= DEDUPE_LINEAR_MAX {
+        if n <= DEDUPE_FILTER_MAX {
+            self.dedupe_filter = [0; DEDUPE_FILTER_BITS / 64];
             return false;
         }
         let want = (2 * n).next_power_of_two();
@@ -627,16 +709,20 @@ impl HostPool {
     }
 
     /// Evicts present idle slot `s`: off the policy, out of the table, onto the free stack.
+    #[inline]
     fn evict(&mut self, s: u32) {
         let slot = self.slots[s as usize];
         debug_assert!(slot.present() && slot.evictable());
         let key = slot.key();
         let h = mix(key);
         match &mut self.policy {
-            Policy::Lru(l) => l.remove(&mut self.slots, s),
-            Policy::Arc(a) => a.evict(&mut self.slots, s, h),
+            Policy::Lru(l) => {
+                l.remove(&mut self.slots, s);
+                self.unmap(s, h);
+            }
+            // The key's table entry becomes its ghost's.
+            Policy::Arc(a) => a.evict(&mut self.slots, &mut self.map, s, h),
         }
-        self.unmap(s, h);
         self.push_free(s);
         self.idle_count -= 1;
         self.stats.evictions += 1;
@@ -732,14 +818,32 @@ impl OffloadManager for HostPool {
     }
 
     fn touch(&mut self, keys: &[ChunkKey], _request: RequestId) {
-        for &key in keys.iter().rev() {
-            let h = mix(key);
-            let found = self.find(key, h);
-            match (&mut self.policy, found) {
-                (Policy::Lru(l), Some(s)) => l.touch(&mut self.slots, s),
-                (Policy::Lru(_), None) => {}
-                (Policy::Arc(a), Some(s)) => a.touch(&mut self.slots, s),
-                (Policy::Arc(a), None) => a.touch_absent(h),
+        match &mut self.policy {
+            Policy::Lru(l) => {
+                for &key in keys.iter().rev() {
+                    let slots = &self.slots;
+                    if let Some(s) = self.map.find(mix(key), |s| slots[s as usize].is(key)) {
+                        l.touch(&mut self.slots, s);
+                    }
+                }
+            }
+            Policy::Arc(a) => {
+                let ghosts = a.ghost_table();
+                for &key in keys.iter().rev() {
+                    // One probe finds the key's slot, or else its ghost.
+                    let h = mix(key);
+                    let slots = &self.slots;
+                    let found = self.map.find_either(
+                        h,
+                        |i| slots.get(i as usize).is_some_and(|slot| slot.is(key)),
+                        |i| a.is_ghost_of(i, h),
+                    );
+                    match found {
+                        None => {}
+                        Some(i) if ghosts.is_ghost(i) => a.ghost_hit(i),
+                        Some(s) => a.touch(&mut self.slots, s),
+                    }
+                }
             }
         }
     }
@@ -799,6 +903,7 @@ impl OffloadManager for HostPool {
 
         // Phase 3: evict (each eviction's Removed event precedes any later Stored event), then
         // reserve a slot for each new key, in the order given.
+        self.last_store.clear();
         let mut cursor = self.policy.victim_cursor();
         for _ in 0..to_evict {
             let Some(v) = self.policy.next_victim(&self.slots, &mut cursor) else {
@@ -823,12 +928,16 @@ impl OffloadManager for HostPool {
             slot.group = key.group;
             slot.refc = -1;
             match &mut self.policy {
-                Policy::Lru(l) => l.insert(&mut self.slots, s),
-                Policy::Arc(a) => a.insert(&mut self.slots, s, h),
+                Policy::Lru(l) => {
+                    l.insert(&mut self.slots, s);
+                    let slots = &self.slots;
+                    self.map.insert(h, s, |i| mix(slots[i as usize].key()));
+                }
+                // A ghost of the key gives its table entry to the slot.
+                Policy::Arc(a) => a.insert(&mut self.slots, &mut self.map, s, h),
             }
-            let slots = &self.slots;
-            self.map.insert(h, s, |i| mix(slots[i as usize].key()));
             out.slots.push(SlotId(s));
+            self.last_store.push(s);
         }
         self.new_hashes.clear();
         self.unmark_all();
@@ -838,10 +947,16 @@ impl OffloadManager for HostPool {
     }
 
     fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
-        for &key in keys {
-            let h = mix(key);
-            let Some(s) = self.find(key, h) else {
-                continue;
+        for (i, &key) in keys.iter().enumerate() {
+            // Usually the keys of the last prepare_store, in order: their slots need no probe.
+            // A slot that holds `key` is `key`'s slot (keys are unique), so the check is exact.
+            let hint = self.last_store.get(i).map_or(NIL, |&s| s);
+            let s = match self.slots.get(hint as usize) {
+                Some(slot) if slot.is(key) && slot.present() => hint,
+                _ => match self.find(key, mix(key)) {
+                    Some(s) => s,
+                    None => continue,
+                },
             };
             if self.slots[s as usize].refc != -1 {
                 continue;
@@ -861,7 +976,7 @@ impl OffloadManager for HostPool {
                     Policy::Lru(l) => l.remove(&mut self.slots, s),
                     Policy::Arc(a) => a.remove(&mut self.slots, s),
                 }
-                self.unmap(s, h);
+                self.unmap(s, mix(key));
                 self.push_free(s);
             }
         }
@@ -888,6 +1003,7 @@ impl OffloadManager for HostPool {
         if let Some(t) = &mut self.tracker {
             t.clear();
         }
+        self.last_store.clear();
         self.rebuild_free_stack();
     }
 

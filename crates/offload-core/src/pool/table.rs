@@ -17,9 +17,11 @@
 
 use crate::key::ChunkKey;
 
-/// The mixed 64-bit hash of a key, used for the index tables, ghost fingerprints and the reuse
-/// tracker. A bijection of `hash ^ f(group)` (the splitmix64 finalizer), so sequential test keys
-/// spread as well as real prefix hashes.
+/// The mixed hash of a key, used for the index table, ghost fingerprints and the reuse tracker:
+/// the splitmix64 finalizer of `hash ^ f(group)` (so sequential test keys spread as well as real
+/// prefix hashes), with bit 32 cleared. A ghost keeps only the high word, and uses its lowest bit
+/// for a flag; clearing it here means the high word alone rebuilds the table's home bucket of
+/// both a present key and its ghost, so an entry can turn from one into the other in place.
 #[inline]
 pub(crate) fn mix(key: ChunkKey) -> u64 {
     let mut x = key.hash ^ u64::from(key.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -27,7 +29,7 @@ pub(crate) fn mix(key: ChunkKey) -> u64 {
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^= x >> 27;
     x = x.wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
+    (x ^ (x >> 31)) & !(1 << 32)
 }
 
 /// An empty table entry. Never a valid entry: its index part is `idx_mask`, and every arena index
@@ -166,15 +168,64 @@ impl IndexTable {
     /// Adds `idx` under `h`. The caller guarantees that no equal key is present. `hash_of` gives
     /// the hash stored for any other index (called only for saturated displacements).
     #[inline]
-    pub(crate) fn insert(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) {
+    pub(crate) fn insert(&mut self, h: u64, idx: u32, hash_of: impl FnMut(u32) -> u64) {
         debug_assert!(idx < self.idx_mask);
+        self.insert_from(self.home(h), 0, self.tag(h) | idx, hash_of);
+    }
+
+    /// Adds `idx` under `h`, unless an entry with `h`'s tag for which `is_old` holds is on `h`'s
+    /// probe path: that entry then takes `idx` in place (same bucket, tag and displacement, so
+    /// nothing moves) and its old index is returned. One walk of the probe path either way.
+    /// The caller guarantees that no key equal to `idx`'s is present.
+    #[inline]
+    pub(crate) fn insert_or_replace(
+        &mut self,
+        h: u64,
+        idx: u32,
+        mut is_old: impl FnMut(u32) -> bool,
+        mut hash_of: impl FnMut(u32) -> u64,
+    ) -> Option<u32> {
+        debug_assert!(idx < self.idx_mask);
+        let tag = self.tag(h);
+        let mut i = self.home(h);
+        let mut d = 0u32;
+        loop {
+            let e = self.entries[i];
+            if e == EMPTY {
+                break;
+            }
+            // Where `find` would stop, Robin Hood insertion places the new entry.
+            let stored = self.disp(e);
+            if stored < d.min(DISP_MAX)
+                || (stored == DISP_MAX && d > stored && self.exact_disp(e, i, &mut hash_of) < d)
+            {
+                break;
+            }
+            if e & self.tag_mask == tag && is_old(e & self.idx_mask) {
+                self.entries[i] = (e & !self.idx_mask) | idx;
+                return Some(e & self.idx_mask);
+            }
+            i = self.next(i);
+            d += 1;
+        }
+        self.insert_from(i, d, tag | idx, hash_of);
+        None
+    }
+
+    /// Robin Hood insertion of entry `carried` (tag and index) at bucket `i`, `d` buckets from
+    /// its home, shifting later entries as needed.
+    #[inline]
+    fn insert_from(
+        &mut self,
+        mut i: usize,
+        mut d: u32,
+        mut carried: u32,
+        mut hash_of: impl FnMut(u32) -> u64,
+    ) {
         debug_assert!(
             (self.len as usize) < self.entries.len() - 1,
             "index table full"
         );
-        let mut carried = self.tag(h) | idx;
-        let mut d = 0u32;
-        let mut i = self.home(h);
         loop {
             let e = self.entries[i];
             if e == EMPTY {
@@ -182,7 +233,10 @@ impl IndexTable {
                 self.len += 1;
                 return;
             }
-            debug_assert!(e & self.idx_mask != idx, "index inserted twice");
+            debug_assert!(
+                e & self.idx_mask != carried & self.idx_mask,
+                "index inserted twice"
+            );
             let stored = self.disp(e);
             // Robin Hood: the entry closer to its home yields its bucket.
             if stored < d.min(DISP_MAX)
@@ -198,22 +252,80 @@ impl IndexTable {
         }
     }
 
-    /// Removes the entry for `idx`, stored under `h`. `hash_of` gives the hash stored for any
-    /// other index (called only for saturated displacements). Returns whether it was found.
-    pub(crate) fn remove(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
+    /// Like [`IndexTable::find`], for entries of two kinds: returns the first index on `h`'s
+    /// probe path for which `primary` holds, or else the first for which `secondary` holds.
+    #[inline]
+    pub(crate) fn find_either(
+        &self,
+        h: u64,
+        mut primary: impl FnMut(u32) -> bool,
+        mut secondary: impl FnMut(u32) -> bool,
+    ) -> Option<u32> {
+        let tag = self.tag(h);
+        let mut i = self.home(h);
+        let mut d = 0u32;
+        let mut second = None;
+        loop {
+            let e = self.entries[i];
+            if e == EMPTY || self.disp(e) < d.min(DISP_MAX) {
+                return second;
+            }
+            if e & self.tag_mask == tag {
+                let idx = e & self.idx_mask;
+                if primary(idx) {
+                    return Some(idx);
+                }
+                if second.is_none() && secondary(idx) {
+                    second = Some(idx);
+                }
+            }
+            i = self.next(i);
+            d += 1;
+        }
+    }
+
+    /// The bucket of the entry for `idx`, stored under `h`.
+    #[inline]
+    fn position(&self, h: u64, idx: u32) -> Option<usize> {
         let mut i = self.home(h);
         let mut d = 0u32;
         loop {
             let e = self.entries[i];
             if e == EMPTY || self.disp(e) < d.min(DISP_MAX) {
-                return false;
+                return None;
             }
             if e & self.idx_mask == idx {
-                break;
+                return Some(i);
             }
             i = self.next(i);
             d += 1;
         }
+    }
+
+    /// Whether the entry for `idx` is stored under `h` (invariant checks).
+    pub(crate) fn contains(&self, h: u64, idx: u32) -> bool {
+        self.position(h, idx).is_some()
+    }
+
+    /// Gives the entry for `old`, stored under `h`, the index `new` in place: the same key (hash)
+    /// now names another arena entry. Returns whether `old` was found.
+    #[inline]
+    pub(crate) fn replace(&mut self, h: u64, old: u32, new: u32) -> bool {
+        debug_assert!(new < self.idx_mask);
+        let Some(i) = self.position(h, old) else {
+            return false;
+        };
+        self.entries[i] = (self.entries[i] & !self.idx_mask) | new;
+        true
+    }
+
+    /// Removes the entry for `idx`, stored under `h`. `hash_of` gives the hash stored for any
+    /// other index (called only for saturated displacements). Returns whether it was found.
+    #[inline]
+    pub(crate) fn remove(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
+        let Some(i) = self.position(h, idx) else {
+            return false;
+        };
         // Backward shift: each following entry away from its home moves back one bucket.
         let mut hole = i;
         loop {
@@ -222,8 +334,13 @@ impl IndexTable {
             if e == EMPTY || self.disp(e) == 0 {
                 break;
             }
-            let d = self.exact_disp(e, j, &mut hash_of);
-            self.entries[hole] = self.with_disp(e, d as usize - 1);
+            // A displacement stored exactly just drops by one; a saturated one is recomputed.
+            self.entries[hole] = if self.disp(e) < DISP_MAX {
+                e - (1 << DISP_SHIFT)
+            } else {
+                let d = self.exact_disp(e, j, &mut hash_of);
+                self.with_disp(e, d as usize - 1)
+            };
             hole = j;
         }
         self.entries[hole] = EMPTY;
@@ -239,11 +356,12 @@ impl IndexTable {
 
     /// Checks that every stored entry is reachable from its home bucket, with the right tag and
     /// displacement, in Robin Hood order (tests and invariant checks only; O(capacity) hash computations).
-    /// With `check_tags` false, `hash_of` need only be right in its high word (the home bucket).
+    /// Tags are checked for the indices where `check_tag` holds; for the others `hash_of` need
+    /// only be right in its high word (the home bucket).
     pub(crate) fn check(
         &self,
         mut hash_of: impl FnMut(u32) -> u64,
-        check_tags: bool,
+        check_tag: impl Fn(u32) -> bool,
     ) -> Result<(), String> {
         let mut count = 0u32;
         for (pos, &e) in self.entries.iter().enumerate() {
@@ -253,7 +371,7 @@ impl IndexTable {
             count += 1;
             let idx = e & self.idx_mask;
             let h = hash_of(idx);
-            if check_tags && e & self.tag_mask != self.tag(h) {
+            if check_tag(idx) && e & self.tag_mask != self.tag(h) {
                 return Err(format!("index table entry {idx} has a wrong tag"));
             }
             let home = self.home(h);
@@ -329,14 +447,14 @@ mod tests {
         for (i, &h) in hashes.iter().enumerate() {
             t.insert(h, i as u32, |j| hashes[j as usize]);
         }
-        t.check(|i| hashes[i as usize], true).unwrap();
+        t.check(|i| hashes[i as usize], |_| true).unwrap();
         for (i, &h) in hashes.iter().enumerate() {
             assert_eq!(t.find(h, |j| j == i as u32), Some(i as u32));
         }
         // Remove every other one, then every lookup must still agree.
         for i in (0..n).step_by(2) {
             assert!(t.remove(hashes[i as usize], i, |j| hashes[j as usize]));
-            t.check(|i| hashes[i as usize], true).unwrap();
+            t.check(|i| hashes[i as usize], |_| true).unwrap();
         }
         assert!(!t.remove(hashes[0], 0, |j| hashes[j as usize]));
         for i in 0..n {
@@ -380,12 +498,73 @@ mod proptests {
                     prop_assert_eq!(removed, present[i as usize]);
                     present[i as usize] = false;
                 }
-                if let Err(e) = t.check(|j| hashes[j as usize], true) {
+                if let Err(e) = t.check(|j| hashes[j as usize], |_| true) {
                     return Err(TestCaseError::fail(e));
                 }
                 for j in 0..arena {
                     let found = t.find(hashes[j as usize], |x| x == j);
                     prop_assert_eq!(found.is_some(), present[j as usize]);
+                }
+            }
+        }
+
+        /// Keys that move between two arena indices in place (a slot and its ghost): `replace`
+        /// and `insert_or_replace` agree with a model of where each key is, mixed with plain
+        /// inserts and removes, and the table's own check holds after each step.
+        #[test]
+        fn in_place_moves_agree_with_a_model(
+            capacity_extra in 1usize..8,
+            ops in prop::collection::vec((0u8..4, 0u32..24), 1..300),
+        ) {
+            // Index k and its twin k + 24 stand for one key: equal hashes, few home buckets.
+            let keys = 24u32;
+            let hashes: Vec<u64> = (0..2 * keys)
+                .map(|i| {
+                    let k = i % keys;
+                    (u64::from(k % 5) << 61) | u64::from(k).wrapping_mul(0x9E37_79B9)
+                })
+                .collect();
+            let mut t = IndexTable::new(2 * keys, 2 * keys as usize + capacity_extra);
+            // Where each key is: None, Some(k) or Some(k + 24).
+            let mut at: Vec<Option<u32>> = vec![None; keys as usize];
+            for (op, k) in ops {
+                let h = hashes[k as usize];
+                let twin = k + keys;
+                match (op, at[k as usize]) {
+                    (0, None) => {
+                        t.insert(h, k, |j| hashes[j as usize]);
+                        at[k as usize] = Some(k);
+                    }
+                    (1, Some(i)) => {
+                        prop_assert!(t.remove(h, i, |j| hashes[j as usize]));
+                        at[k as usize] = None;
+                    }
+                    (2, Some(i)) => {
+                        // Slot to ghost (or back) in place.
+                        let other = if i == k { twin } else { k };
+                        prop_assert!(t.replace(h, i, other));
+                        at[k as usize] = Some(other);
+                    }
+                    (3, now) => {
+                        // Insert index k, taking over the twin's entry if it is there.
+                        if now == Some(k) {
+                            continue;
+                        }
+                        let old = t.insert_or_replace(h, k, |j| j == twin, |j| hashes[j as usize]);
+                        prop_assert_eq!(old, now);
+                        at[k as usize] = Some(k);
+                    }
+                    _ => continue,
+                }
+                if let Err(e) = t.check(|j| hashes[j as usize], |_| true) {
+                    return Err(TestCaseError::fail(e));
+                }
+                for k in 0..keys {
+                    let h = hashes[k as usize];
+                    let found = t.find(h, |x| x == k || x == k + keys);
+                    prop_assert_eq!(found, at[k as usize]);
+                    let either = t.find_either(h, |x| x == k, |x| x == k + keys);
+                    prop_assert_eq!(either, at[k as usize]);
                 }
             }
         }

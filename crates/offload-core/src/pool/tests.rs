@@ -59,12 +59,19 @@ fn removed(n: u64) -> KvEvent {
 
 #[test]
 fn config_is_validated() {
-    for (c, t, what) in [
-        (0, 0, "slot_count"),
-        (SLOT_COUNT_MAX + 1, 0, "slot_count"),
-        (4, REUSE_THRESHOLD_MAX + 1, "reuse_threshold"),
+    for (c, policy, t, what) in [
+        (0, EvictionPolicy::Lru, 0, "slot_count"),
+        (SLOT_COUNT_MAX + 1, EvictionPolicy::Lru, 0, "slot_count"),
+        // ARC's key table also indexes a ghost per slot.
+        (ARC_SLOT_COUNT_MAX + 1, EvictionPolicy::Arc, 0, "slot_count"),
+        (
+            4,
+            EvictionPolicy::Lru,
+            REUSE_THRESHOLD_MAX + 1,
+            "reuse_threshold",
+        ),
     ] {
-        let mut cfg = config(c, EvictionPolicy::Lru);
+        let mut cfg = config(c, policy);
         cfg.reuse_threshold = t;
         match HostPool::new(cfg) {
             Err(CoreError::InvalidConfig { key, .. }) => assert_eq!(key, what),
@@ -134,20 +141,25 @@ fn prepare_store_returns_absent_keys_in_order_deduped() {
 }
 
 #[test]
-fn large_call_dedupes_with_the_hash_set() {
-    for policy in POLICIES {
-        let mut p = pool(64, policy);
-        let mut keys: Vec<u64> = (0..40).collect();
-        keys.extend(0..40);
-        keys.extend([7, 7, 39]);
-        let mut out = PreparedStore::default();
-        p.prepare_store(&ks(&keys), R, &mut out).unwrap();
-        assert_eq!(out.keys, ks(&(0..40).collect::<Vec<_>>()));
-        // A second large call (next generation of the set) dedupes again.
-        let more: Vec<u64> = (40..60).chain(40..60).collect();
-        p.prepare_store(&ks(&more), R, &mut out).unwrap();
-        assert_eq!(out.keys, ks(&(40..60).collect::<Vec<_>>()));
-        p.check_invariants().unwrap();
+fn large_calls_dedupe_with_the_filter_and_with_the_hash_set() {
+    // 40 distinct keys: the filter (and a scan where a key's bit is set); 300: the hash set.
+    for distinct in [40u64, 300] {
+        for policy in POLICIES {
+            let mut p = pool(1024, policy);
+            let mut keys: Vec<u64> = (0..distinct).collect();
+            keys.extend(0..distinct);
+            keys.extend([7, 7, distinct - 1]);
+            let mut out = PreparedStore::default();
+            p.prepare_store(&ks(&keys), R, &mut out).unwrap();
+            assert_eq!(out.keys, ks(&(0..distinct).collect::<Vec<_>>()));
+            // A second call (a fresh filter, or the next generation of the set) dedupes again.
+            let more: Vec<u64> = (1000..1000 + distinct)
+                .chain(1000..1000 + distinct)
+                .collect();
+            p.prepare_store(&ks(&more), R, &mut out).unwrap();
+            assert_eq!(out.keys, ks(&(1000..1000 + distinct).collect::<Vec<_>>()));
+            p.check_invariants().unwrap();
+        }
     }
 }
 
