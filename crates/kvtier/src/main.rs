@@ -98,6 +98,11 @@ struct FsArgs {
     /// The tier's worker threads (default: the tier's).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=64))]
     workers: Option<u64>,
+    /// Interleaved rounds of (raw at depth 1, raw at the tier's depth, tier) per chunk size; the
+    /// best of each is reported, and the median of the rounds' own ratios (more rounds, a
+    /// steadier median).
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    rounds: u64,
 }
 
 #[derive(Debug, Args)]
@@ -439,6 +444,7 @@ fn bench_fs_cmd(args: &FsArgs, json: bool) -> Result<(), Failure> {
     if let Some(w) = args.workers {
         config.workers = w as usize;
     }
+    config.repeats = args.rounds as usize;
     let mut progress = Progress::new(!json);
     let rows = tier_fs::bench::run(&config, &mut |m| progress.set(m))
         .map_err(|e| Failure::Check(format!("bench fs: {e}")))?;

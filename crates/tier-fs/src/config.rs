@@ -65,8 +65,10 @@ pub struct FsTierConfig {
     pub durability: Durability,
     /// io_uring, the plain-syscall engine, or the first that works.
     pub engine: EngineChoice,
-    /// Worker threads, each running whole jobs with its own I/O engine and appending to its own
-    /// segment (so that several jobs' transfers overlap).
+    /// Load worker threads, each running whole load jobs with its own I/O engine (so that
+    /// several loads overlap). Stores do not use them: one writer thread (with its own engine)
+    /// runs every store job, appending to one open segment, so the root gets one sequential
+    /// append stream.
     pub workers: usize,
     /// Threads of each worker's plain-syscall engine.
     pub threads: usize,
@@ -76,15 +78,16 @@ pub struct FsTierConfig {
     pub direct_io: bool,
     /// The most jobs accepted and not yet returned by `poll`; beyond it, submit answers `Busy`.
     pub jobs_in_flight_max: usize,
-    /// The most bytes of one segment file (records are appended to a worker's open segment until
-    /// the next would pass this; a single larger record goes alone). The tier also keeps
+    /// The most bytes of one segment file (records are appended to the writer's open segment
+    /// until the next would pass this; a single larger record goes alone). The tier also keeps
     /// segments under `capacity_bytes / (4 * workers)`, so that the segments being appended stay a
     /// small part of the limit and eviction, which removes whole segments, stays fine-grained.
     pub segment_bytes_max: u64,
     /// Per worker: the most buffer bytes one submission to the I/O engine may hold (a job larger
     /// than this is split into several submissions; a single larger chunk goes alone), and the
-    /// most bytes of buffers kept for reuse. The tier's buffers stay under
-    /// `2 * workers * batch_bytes_max` (plus one chunk per worker).
+    /// most bytes of buffers kept for reuse. The writer also takes store jobs queued behind the
+    /// one it starts until their records reach this many bytes. The tier's buffers stay under
+    /// `2 * (workers + 1) * batch_bytes_max` (plus one chunk per worker).
     pub batch_bytes_max: usize,
     /// Other tier instances write this directory too: a lookup of a key missing from the index
     /// starts an asynchronous probe (a walk over the segments new or grown since the last one),

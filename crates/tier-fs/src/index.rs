@@ -201,6 +201,15 @@ impl Index {
         }
     }
 
+    /// Sets a segment's bytes to `bytes` (its file's size: after its allocated tail was trimmed
+    /// or a failed tail cut).
+    pub fn set_segment_bytes(&mut self, segment: SegmentId, bytes: u64) {
+        if let Some(entry) = self.segments.get_mut(&segment) {
+            self.used_bytes = self.used_bytes - entry.bytes + bytes;
+            entry.bytes = bytes;
+        }
+    }
+
     /// Grows a segment to `bytes` (no effect if it is already that large).
     pub fn grow_segment(&mut self, segment: SegmentId, bytes: u64) {
         if let Some(entry) = self.segments.get_mut(&segment) {

@@ -77,6 +77,8 @@ pub struct FsStats {
     /// (no bounce buffer: O_DIRECT, a slot with a stable 4 KiB-aligned address, a payload length
     /// that is a multiple of 4 KiB).
     pub zero_copy_ops: u64,
+    /// Records loaded by a merged read (one read of neighbouring records of a segment).
+    pub reads_merged: u64,
     /// Segment bytes allocated (`fallocate`) ahead of the store writes that fill them.
     pub bytes_preallocated: u64,
     /// Warnings issued (engine detection, fallbacks).
@@ -127,6 +129,7 @@ pub(crate) struct StatsCell {
     pub(crate) direct_fallbacks: AtomicU64,
     pub(crate) buffered_retries: AtomicU64,
     pub(crate) zero_copy_ops: AtomicU64,
+    pub(crate) reads_merged: AtomicU64,
     pub(crate) bytes_preallocated: AtomicU64,
     pub(crate) warnings: AtomicU64,
     pub(crate) quarantined: AtomicU64,
@@ -169,6 +172,7 @@ impl StatsCell {
             direct_fallbacks: get(&self.direct_fallbacks),
             buffered_retries: get(&self.buffered_retries),
             zero_copy_ops: get(&self.zero_copy_ops),
+            reads_merged: get(&self.reads_merged),
             bytes_preallocated: get(&self.bytes_preallocated),
             warnings: get(&self.warnings),
             quarantined: get(&self.quarantined),

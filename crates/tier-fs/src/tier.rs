@@ -1,7 +1,8 @@
 //! [`FsTier`]: the disk tier's `Tier` implementation. The front end (this type) lives on the
 //! caller's thread and never waits for I/O: lookups answer from the in-memory index, submits go
-//! to the workers through a bounded channel, polls drain the completion channel. Each worker
-//! thread owns one I/O engine (see the `worker` module).
+//! to the workers through bounded channels, polls drain the completion channel. Stores go to one
+//! writer thread (one sequential append stream for the root), loads to `workers` load threads;
+//! each of them owns one I/O engine (see the `worker` module).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs;
@@ -11,7 +12,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, RecvError, Sender, TryRecvError, TrySendError};
-use offload_core::tier::{SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup};
+use offload_core::tier::{
+    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 
 use crate::config::{EngineChoice, FsTierConfig};
@@ -36,7 +39,11 @@ pub struct FsTier {
     slot_count: u32,
     slot_bytes: usize,
     jobs_in_flight_max: usize,
+    /// Load jobs, for the load workers.
     jobs: Option<Sender<Msg>>,
+    /// Store jobs, for the writer.
+    stores: Option<Sender<Msg>>,
+    load_workers: usize,
     done: Receiver<TierCompletion>,
     /// Completions received (by `drain`) and not yet returned by `poll`.
     ready: VecDeque<TierCompletion>,
@@ -60,8 +67,8 @@ impl std::fmt::Debug for FsTier {
     }
 }
 
-/// Creates one I/O engine per worker; `Auto` probes io_uring once, and a fallback from it is
-/// warned about.
+/// Creates one I/O engine per worker and one for the writer; `Auto` probes io_uring once, and a
+/// fallback from it is warned about.
 fn create_engines(
     config: &FsTierConfig,
     stats: &StatsCell,
@@ -94,7 +101,7 @@ fn create_engines(
             }
         },
     };
-    (0..config.workers)
+    (0..config.workers + 1)
         .map(|_| {
             if use_uring {
                 uring().map_err(FsError::Unsupported)
@@ -144,8 +151,11 @@ impl FsTier {
         // Room for every job in flight plus one Stop per worker, so sends never block.
         let (jobs, jobs_rx) =
             crossbeam_channel::bounded(config.jobs_in_flight_max + config.workers);
+        let (stores, stores_rx) = crossbeam_channel::bounded(config.jobs_in_flight_max + 1);
         let (done_tx, done) = crossbeam_channel::bounded(config.jobs_in_flight_max);
         let mut workers = Vec::with_capacity(engines.len());
+        // Engine 0 is the writer's: every store job of the tier goes to it, so that the root
+        // gets one sequential append stream; the others run loads.
         for (n, engine) in engines.into_iter().enumerate() {
             let settings = WorkerSettings {
                 layout: layout.clone(),
@@ -157,13 +167,22 @@ impl FsTier {
                 zero_copy_loads: config.zero_copy_loads,
             };
             let worker = Worker::new(engine, Arc::clone(&memory), Arc::clone(&shared), settings);
-            let (jobs_rx, done_tx) = (jobs_rx.clone(), done_tx.clone());
-            let spawned = std::thread::Builder::new()
-                .name(format!("kvtier-fs-{n}"))
-                .spawn(move || worker.run(jobs_rx, done_tx));
+            let done_tx = done_tx.clone();
+            let spawned = if n == 0 {
+                let rx = stores_rx.clone();
+                std::thread::Builder::new()
+                    .name("kvtier-fs-writer".to_owned())
+                    .spawn(move || worker.run_writer(rx, done_tx))
+            } else {
+                let rx = jobs_rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("kvtier-fs-{}", n - 1))
+                    .spawn(move || worker.run(rx, done_tx))
+            };
             match spawned {
                 Ok(handle) => workers.push(handle),
                 Err(e) => {
+                    let _ = stores.send(Msg::Stop);
                     for _ in &workers {
                         let _ = jobs.send(Msg::Stop);
                     }
@@ -193,6 +212,8 @@ impl FsTier {
             slot_bytes: memory.slot_bytes(),
             jobs_in_flight_max: config.jobs_in_flight_max,
             jobs: Some(jobs),
+            stores: Some(stores),
+            load_workers: config.workers,
             done,
             ready: VecDeque::new(),
             in_flight: HashMap::new(),
@@ -308,8 +329,11 @@ impl FsTier {
     }
 
     fn stop_worker(&mut self) {
+        if let Some(stores) = self.stores.take() {
+            let _ = stores.send(Msg::Stop);
+        }
         if let Some(jobs) = self.jobs.take() {
-            for _ in &self.workers {
+            for _ in 0..self.load_workers {
                 let _ = jobs.send(Msg::Stop);
             }
         }
@@ -378,7 +402,11 @@ impl Tier for FsTier {
                 in_flight: self.in_flight.len(),
             });
         }
-        let Some(jobs) = &self.jobs else {
+        let queue = match job.op {
+            TierOp::Store => &self.stores,
+            TierOp::Load => &self.jobs,
+        };
+        let Some(jobs) = queue else {
             return Err(SubmitError::ShutDown);
         };
         let id = job.id;

@@ -1,21 +1,28 @@
-//! The background workers: each owns an I/O engine, takes whole jobs from the shared job channel
-//! one at a time (each batch of a job's chunks in one engine submission), and sends exactly one
-//! completion per job. Several workers run jobs concurrently; completions may therefore arrive out
+//! The background workers, each with its own I/O engine, sending exactly one completion per job:
+//! one writer, which runs every store job of the tier (so the root gets one sequential append
+//! stream), and the load workers, which take load jobs one at a time from the shared load channel.
+//! Loads run concurrently with each other and with stores; completions may therefore arrive out
 //! of submission order. Bookkeeping (index, reservations, faults) is shared under short mutex
 //! sections without I/O.
 //!
-//! Store: reserve capacity (evicting the oldest segments), copy each slot into an aligned buffer
-//! behind a header (or, zero-copy, write a 4 KiB header buffer and the slot itself as one
-//! vectored write; see below), allocate the batch's range of the worker's open segment
-//! (`fallocate`, so that the writes run concurrently), and write the records of the batch one
-//! after another into it (one write per record, all in one submission). Only when a record's
-//! write completed (and, with `Durability::Fsync`, the segment was flushed) does its chunk enter
-//! the index. A failed record is either the segment's tail (the next record takes its place) or
-//! is covered by a skip record so that later records stay reachable. A full segment is sealed
-//! once every write into it completed, and a new one is created. Load: read each record into an
-//! aligned buffer through a cached descriptor of its segment, verify header and checksum, and
-//! only then copy the payload into the slot; a record that does not verify leaves the index
-//! (and, in a segment this instance may modify, is covered by a skip record).
+//! Store: the writer runs store jobs as a pipeline. It starts every queued job while the record
+//! bytes of the jobs it runs stay under `batch_bytes_max`, appending their records one after
+//! another to its open segment, reaps writes as they complete, and finishes each job once all of
+//! its writes completed (so the disk has the next jobs' writes queued meanwhile). Per job: reserve
+//! capacity (evicting the oldest segments), copy each slot into an aligned buffer behind a header
+//! (or, zero-copy, write a 4 KiB header buffer and the slot itself as one vectored write; see
+//! below), allocate a fresh segment whole (`fallocate`, so that the writes run concurrently; see
+//! `Worker::preallocate`), and write the records one after another into it (one write per record).
+//! Only when a record's write completed (and, with `Durability::Fsync`, the segment was flushed)
+//! does its chunk enter the index. A failed record is either the segment's tail (the next record
+//! takes its place) or is covered by a skip record so that later records stay reachable. A full
+//! segment is sealed once every job with a record in it finished, and a new one is created. Load:
+//! read each record into an aligned buffer through a cached descriptor of its segment (records that
+//! lie one after another in a segment with one read of all of them, at most 16 MiB), verify header
+//! and checksum, and only then copy the payload into the slot; a record that does not verify leaves
+//! the index (and, in a segment this instance may modify, is covered by a skip record). A merged
+//! read that comes back short reads the records it did not cover again one by one, so only a torn
+//! record itself fails.
 //!
 //! Host slots are only touched through [`SlotMemory`] by the worker running the job, between the
 //! job's start and the send of its completion, so the tier never touches them after the
@@ -25,8 +32,9 @@
 //! ([`SlotMemory::slot_ptr`]) aligned to 4 KiB and the payload length is a multiple of 4 KiB (no
 //! padding needed), a store's record moves as one vectored operation, the header through a 4 KiB
 //! buffer and the payload straight from the slot (a [`SlotSpan`]); so does a load's with
-//! `zero_copy_loads` (off by default), which then verifies the payload in the slot. Such an operation owns its slot until reaped, and `execute` reaps every one
-//! before the job's completion can be sent. Injected corruption of a store goes through a bounce
+//! `zero_copy_loads` (off by default), which then verifies the payload in the slot (such reads are
+//! never merged). Such an operation owns its slot until reaped; `execute` (loads) and the writer
+//! (stores) reap every one before the job's completion can be sent. Injected corruption of a store goes through a bounce
 //! buffer (a store never modifies its slot).
 //!
 //! Races between workers (an eviction deleting a segment another worker is reading through a
@@ -67,6 +75,8 @@ const READERS_MAX: usize = 256;
 const SEAL_BYTES: u64 = HEADER_BYTES as u64;
 /// Operations of a batch are submitted in groups of at least this many bytes.
 const SUBMIT_BYTES_MIN: usize = 1 << 20;
+/// The most bytes one merged read of neighbouring records moves.
+const READ_MERGE_BYTES_MAX: u64 = 16 << 20;
 
 /// State shared by the front end, the workers and the prober.
 ///
@@ -138,19 +148,31 @@ pub(crate) struct WorkerSettings {
     pub(crate) zero_copy_loads: bool,
 }
 
-/// The failed keys of a job, each once, in first-failure order.
-#[derive(Default)]
+/// The failed keys of the jobs run together (one load job, or the group of store jobs the
+/// writer takes at once), by job index in the group: each key once per job, in first-failure
+/// order.
 struct Failed {
-    keys: Vec<ChunkKey>,
-    seen: HashSet<ChunkKey>,
+    jobs: Vec<(Vec<ChunkKey>, HashSet<ChunkKey>)>,
 }
 
 impl Failed {
-    fn add(&mut self, stats: &StatsCell, key: ChunkKey, kind: FailureKind) {
-        stats.fail(kind);
-        if self.seen.insert(key) {
-            self.keys.push(key);
+    fn new(job_count: usize) -> Self {
+        Self {
+            jobs: (0..job_count).map(|_| Default::default()).collect(),
         }
+    }
+
+    fn add(&mut self, stats: &StatsCell, job: usize, key: ChunkKey, kind: FailureKind) {
+        stats.fail(kind);
+        let (keys, seen) = &mut self.jobs[job];
+        if seen.insert(key) {
+            keys.push(key);
+        }
+    }
+
+    /// Each job's failed keys, in job order.
+    fn into_keys(self) -> impl Iterator<Item = Vec<ChunkKey>> {
+        self.jobs.into_iter().map(|(keys, _)| keys)
     }
 }
 
@@ -203,8 +225,11 @@ struct SlotSpanInfo {
 /// A job's chunk: key, host slot, payload length.
 type Chunk = (ChunkKey, SlotId, u32);
 
-/// Runs one batch of a job's chunks.
-type BatchFn = fn(&mut Worker, &[Chunk], &mut Failed);
+/// A chunk with the index of its job in the group run together.
+type JobChunk = (usize, Chunk);
+
+/// Runs one batch of the chunks of a group of jobs.
+type BatchFn = fn(&mut Worker, &[JobChunk], &mut Failed);
 
 /// A segment this worker appends to.
 struct OpenSegment {
@@ -217,12 +242,31 @@ struct OpenSegment {
     /// The file's blocks are allocated (and its size set) up to here, so that writes below it
     /// neither extend the file nor fill holes (see `Worker::preallocate`).
     allocated: u64,
-    /// Takes no further record (full, or a write into it failed); sealed after the batch.
+    /// Takes no further record (full, or a write into it failed); sealed once `records_open`
+    /// is 0.
     closed: bool,
+    /// Records placed in it whose job has not finished yet.
+    records_open: usize,
 }
 
-/// One record's file operation in flight.
+/// A store job the writer runs: its records are placed and their writes in flight.
+struct Active {
+    id: JobId,
+    /// Every key of the job (failed as a whole if the writer panics).
+    keys: Vec<ChunkKey>,
+    failed: Failed,
+    /// Records placed; the job finishes when as many writes completed.
+    records: usize,
+    written: Vec<Written>,
+    /// Record bytes, counted in the writer's bytes in flight.
+    bytes: u64,
+}
+
+/// One record's file operation in flight (or, with `members`, one read of several neighbouring
+/// records).
 struct Pending {
+    /// The index of the record's job in the group run together.
+    job: usize,
     key: ChunkKey,
     slot: SlotId,
     len: u32,
@@ -230,8 +274,8 @@ struct Pending {
     bytes: u64,
     /// The record's offset in its segment.
     offset: u64,
-    /// Store: the index of the segment in the worker's `segments`. Load: unused.
-    segment: usize,
+    /// Store: the segment (in the worker's `segments`). Load: unused.
+    segment: SegmentId,
     /// Load: where the record is.
     location: Option<Location>,
     /// Kept open until the operation's completion is reaped.
@@ -243,6 +287,9 @@ struct Pending {
     /// The payload moves straight between the slot and the file (the operation's buffer holds
     /// only the header): the operation carries a [`SlotSpan`] of the slot.
     zero_copy: bool,
+    /// A merged read: the records it reads, one after another from `offset` (each with its own
+    /// key, slot and location; `bytes` is their sum). Empty for a single record.
+    members: Vec<Pending>,
 }
 
 /// An operation ready to run, a store record whose buffer is filled just before it is
@@ -253,21 +300,24 @@ enum Ready {
     Injected(io::Error, AlignedBuf),
 }
 
-/// What `store_done` and `load_done` are: they take one completed operation and return the
-/// operation to retry, if any.
+/// What `store_done` and `load_done` are: they take one completed operation and push the
+/// operations to retry, if any, onto the last argument.
 type CompletionHandler = fn(
     &mut Worker,
     Pending,
     io::Result<usize>,
     AlignedBuf,
     &mut Failed,
-) -> Option<(Pending, Ready)>;
+    &mut Vec<(Pending, Ready)>,
+);
 
-/// The outcome of one record write of a batch.
+/// The outcome of one record write of a store job.
 struct Written {
+    /// The writer's number of the job (see `Active`).
+    job: usize,
     key: ChunkKey,
     len: u32,
-    segment: usize,
+    segment: SegmentId,
     offset: u64,
     bytes: u64,
     /// `None`: written; else why it failed.
@@ -283,10 +333,22 @@ pub(crate) struct Worker {
     pool: BufPool,
     next_tag: u64,
     /// Segments being appended: the last one is the open segment; earlier ones (and a closed
-    /// last one) are sealed at the end of the batch.
+    /// last one) are sealed once every job with a record in them finished.
     segments: Vec<OpenSegment>,
-    /// The record writes of the batch in progress.
+    /// Record writes completed and not yet handed to their job.
     written: Vec<Written>,
+    /// Store jobs started and not finished, by the writer's number.
+    active: HashMap<usize, Active>,
+    /// The writer's number of the next store job.
+    next_active: usize,
+    /// Record bytes of the active store jobs.
+    active_bytes: u64,
+    /// Store writes in flight, by tag.
+    store_ops: HashMap<u64, Pending>,
+    /// Completions of finished store jobs, not yet sent.
+    finished: Vec<TierCompletion>,
+    /// The store job being finished (out of `active`, its completion not pushed yet).
+    finishing: Option<(JobId, Vec<ChunkKey>)>,
     /// Read descriptors by segment, with whether they use O_DIRECT.
     readers: HashMap<SegmentId, (Arc<File>, bool)>,
     /// Store batches preallocate their range (until the file system says it cannot).
@@ -322,31 +384,97 @@ impl Worker {
             next_tag: 0,
             segments: Vec::new(),
             written: Vec::new(),
+            active: HashMap::new(),
+            next_active: 0,
+            active_bytes: 0,
+            store_ops: HashMap::new(),
+            finished: Vec::new(),
+            finishing: None,
             readers: HashMap::new(),
             preallocate,
         }
     }
 
-    /// Runs jobs until `Stop` or until the front end is gone, then seals the open segment.
+    /// Runs load jobs until `Stop` or until the front end is gone (a store job, which the tier
+    /// sends to the writer, would run here alone), then seals what it appended to.
     pub(crate) fn run(mut self, jobs: Receiver<Msg>, done: Sender<TierCompletion>) {
-        while let Ok(msg) = jobs.recv() {
-            let job = match msg {
-                Msg::Stop => break,
-                Msg::Job(job) => job,
-            };
+        while let Ok(Msg::Job(job)) = jobs.recv() {
+            let group = [job];
             // A panic here is a bug; it must not lose the job's completion nor kill the tier.
-            let completion = catch_unwind(AssertUnwindSafe(|| self.run_job(&job)))
-                .unwrap_or_else(|_| self.panicked(&job));
-            if done.send(completion).is_err() {
+            let completions = catch_unwind(AssertUnwindSafe(|| self.run_group(&group)))
+                .unwrap_or_else(|_| self.panicked(&group));
+            if completions.into_iter().any(|c| done.send(c).is_err()) {
                 break;
             }
         }
         self.seal_all();
     }
 
-    /// The completion of a job whose run panicked: every key failed. Operations still in flight
-    /// are reaped first, since some may move bytes into or from the job's slots.
-    fn panicked(&mut self, job: &TierJob) -> TierCompletion {
+    /// The writer's loop: runs store jobs as one pipeline of appends to its open segment. It
+    /// starts every queued job (while the record bytes of the jobs it runs stay under
+    /// `batch_bytes_max`), reaps writes as they complete, and finishes each job as soon as all
+    /// of its writes completed, so the disk always has the next jobs' writes queued. Waits for a
+    /// job only when nothing is in flight. Returns after `Stop` (or the front end is gone) and
+    /// every job it took finished, sealing its segments.
+    pub(crate) fn run_writer(mut self, jobs: Receiver<Msg>, done: Sender<TierCompletion>) {
+        let mut open = true;
+        loop {
+            let step = catch_unwind(AssertUnwindSafe(|| {
+                if open {
+                    open = self.take_stores(&jobs);
+                }
+                self.store_step();
+            }));
+            if step.is_err() {
+                self.writer_panicked();
+            }
+            let finished = std::mem::take(&mut self.finished);
+            if finished.into_iter().any(|c| done.send(c).is_err()) {
+                break;
+            }
+            if !open && self.active.is_empty() {
+                break;
+            }
+        }
+        self.seal_all();
+    }
+
+    /// Starts queued jobs: waits for one if the writer has nothing to do, else takes those
+    /// already queued while the running jobs' record bytes stay under `batch_bytes_max`.
+    /// Returns false once the channel says stop.
+    fn take_stores(&mut self, jobs: &Receiver<Msg>) -> bool {
+        loop {
+            let idle = self.active.is_empty() && self.finished.is_empty();
+            if !idle && self.active_bytes >= self.settings.batch_bytes_max as u64 {
+                return true;
+            }
+            let msg = if idle {
+                jobs.recv().ok()
+            } else {
+                match jobs.try_recv() {
+                    Ok(msg) => Some(msg),
+                    Err(crossbeam_channel::TryRecvError::Empty) => return true,
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => None,
+                }
+            };
+            match msg {
+                Some(Msg::Job(job)) if job.op == TierOp::Store => self.start_store(&job),
+                Some(Msg::Job(job)) => {
+                    // A load shares the engine: the stores' writes are reaped first.
+                    while !self.active.is_empty() {
+                        self.store_step();
+                    }
+                    let completions = self.run_group(&[job]);
+                    self.finished.extend(completions);
+                }
+                Some(Msg::Stop) | None => return false,
+            }
+        }
+    }
+
+    /// The completions of a group of jobs whose run panicked: every key failed. Operations
+    /// still in flight are reaped first, since some may move bytes into or from the jobs' slots.
+    fn panicked(&mut self, group: &[TierJob]) -> Vec<TierCompletion> {
         let mut reaped = Vec::new();
         while self.engine.in_flight() > 0 {
             if self.engine.reap(&mut reaped, 1).is_err() {
@@ -355,9 +483,11 @@ impl Worker {
             // Only the memory matters here; the records are given up below.
             reaped.clear();
         }
-        let mut failed = Failed::default();
-        for &(key, _, _) in &job.chunks {
-            failed.add(self.stats(), key, FailureKind::Io);
+        let mut failed = Failed::new(group.len());
+        for (j, job) in group.iter().enumerate() {
+            for &(key, _, _) in &job.chunks {
+                failed.add(self.stats(), j, key, FailureKind::Io);
+            }
         }
         // Whatever the batch wrote is not indexed, and writes may still be in flight: its
         // segments are given up unsealed (evictable; the next start verifies and seals them).
@@ -370,11 +500,20 @@ impl Worker {
             index.set_state(seg.id, SegmentState::Sealed);
         }
         drop(index);
-        self.shared.cancelled().remove(&job.id);
-        TierCompletion {
-            id: job.id,
-            failed: failed.keys,
-        }
+        self.completions(group, failed)
+    }
+
+    /// The completions of `group`, whose runs are over, with their failed keys.
+    fn completions(&self, group: &[TierJob], failed: Failed) -> Vec<TierCompletion> {
+        let mut cancelled = self.shared.cancelled();
+        group
+            .iter()
+            .zip(failed.into_keys())
+            .map(|(job, failed)| {
+                cancelled.remove(&job.id);
+                TierCompletion { id: job.id, failed }
+            })
+            .collect()
     }
 
     fn stats(&self) -> &StatsCell {
@@ -385,26 +524,40 @@ impl Worker {
         self.shared.cancelled().contains(&id)
     }
 
-    fn run_job(&mut self, job: &TierJob) -> TierCompletion {
-        let mut failed = Failed::default();
-        match job.op {
-            TierOp::Store => self.store(job, &mut failed),
-            TierOp::Load => self.load(job, &mut failed),
+    /// Runs a group of jobs of one kind (stores, or a single load) and returns their completions.
+    fn run_group(&mut self, group: &[TierJob]) -> Vec<TierCompletion> {
+        let mut failed = Failed::new(group.len());
+        match group[0].op {
+            TierOp::Store => {
+                // Alone: started, then run until it finished.
+                for job in group {
+                    self.start_store(job);
+                }
+                while !self.active.is_empty() {
+                    self.store_step();
+                }
+                let finished = std::mem::take(&mut self.finished);
+                let mut cancelled = self.shared.cancelled();
+                for job in group {
+                    cancelled.remove(&job.id);
+                }
+                return finished;
+            }
+            TierOp::Load => {
+                debug_assert_eq!(group.len(), 1, "loads run one job at a time");
+                self.load(&group[0], &mut failed);
+            }
         }
-        self.shared.cancelled().remove(&job.id);
-        TierCompletion {
-            id: job.id,
-            failed: failed.keys,
-        }
+        self.completions(group, failed)
     }
 
     /// Splits `chunks` into batches of at most `batch_bytes_max` record bytes (at least one
     /// chunk) and [`BATCH_OPS_MAX`] chunks; returns the end of the batch starting at `start`.
-    fn batch_end(&self, chunks: &[Chunk], start: usize) -> usize {
+    fn batch_end(&self, chunks: &[JobChunk], start: usize) -> usize {
         let mut bytes = 0u64;
         let mut end = start;
         while end < chunks.len() && end - start < BATCH_OPS_MAX {
-            let next = file_bytes(u64::from(chunks[end].2));
+            let next = file_bytes(u64::from(chunks[end].1 .2));
             if end > start && bytes + next > self.settings.batch_bytes_max as u64 {
                 break;
             }
@@ -414,29 +567,59 @@ impl Worker {
         end
     }
 
-    /// Runs `chunks` batch by batch with `each`, failing what remains once the job is cancelled.
-    fn batches(&mut self, job: &TierJob, chunks: &[Chunk], failed: &mut Failed, each: BatchFn) {
-        let mut start = 0;
-        while start < chunks.len() {
-            if self.is_cancelled(job.id) {
-                for &(key, _, _) in &chunks[start..] {
-                    failed.add(self.stats(), key, FailureKind::Cancelled);
-                }
-                return;
+    /// Runs `chunks` (of the jobs `ids`) batch by batch with `each`, failing what remains of a
+    /// job once it is cancelled.
+    fn batches(
+        &mut self,
+        ids: &[JobId],
+        mut chunks: Vec<JobChunk>,
+        failed: &mut Failed,
+        each: BatchFn,
+    ) {
+        while !chunks.is_empty() {
+            let cancelled: Vec<bool> = ids.iter().map(|&id| self.is_cancelled(id)).collect();
+            if cancelled.iter().any(|&c| c) {
+                let stats = &self.shared.stats;
+                chunks.retain(|&(j, (key, _, _))| {
+                    if cancelled[j] {
+                        failed.add(stats, j, key, FailureKind::Cancelled);
+                    }
+                    !cancelled[j]
+                });
+                continue;
             }
-            let end = self.batch_end(chunks, start);
-            each(self, &chunks[start..end], failed);
-            start = end;
+            let end = self.batch_end(&chunks, 0);
+            each(self, &chunks[..end], failed);
+            chunks.drain(..end);
         }
     }
 
     // ---------------------------------------------------------------- store
 
-    fn store(&mut self, job: &TierJob, failed: &mut Failed) {
-        self.prune_readers();
-        let mut seen = HashSet::new();
+    /// Starts store job `job`: its chunks not yet on disk are placed one after another in the
+    /// open segment, the range is preallocated, and their writes go out (filled and submitted in
+    /// groups of [`SUBMIT_BYTES_MIN`] bytes, so the first are on their way while the next are
+    /// checksummed). A job with nothing to write finishes at once.
+    fn start_store(&mut self, job: &TierJob) {
+        let number = self.next_active;
+        self.next_active += 1;
+        let mut active = Active {
+            id: job.id,
+            keys: job.chunks.iter().map(|c| c.0).collect(),
+            failed: Failed::new(1),
+            records: 0,
+            written: Vec::new(),
+            bytes: 0,
+        };
         let mut todo = Vec::new();
-        {
+        if self.is_cancelled(job.id) {
+            for &(key, _, _) in &job.chunks {
+                active
+                    .failed
+                    .add(self.stats(), 0, key, FailureKind::Cancelled);
+            }
+        } else {
+            let mut seen = HashSet::new();
             let mut index = self.shared.index();
             for &(key, slot, len) in &job.chunks {
                 if !seen.insert(key) {
@@ -451,41 +634,165 @@ impl Worker {
                 todo.push((key, slot, len));
             }
         }
-        self.batches(job, &todo, failed, Self::store_batch);
-    }
-
-    fn store_batch(&mut self, chunks: &[Chunk], failed: &mut Failed) {
-        let mut items = Vec::with_capacity(chunks.len());
-        for &(key, slot, len) in chunks {
-            match self.place(key, slot, len) {
+        // Active from here on, so that a panic still completes it (`writer_panicked`).
+        self.active.insert(number, active);
+        let mut items = Vec::with_capacity(todo.len());
+        let mut failures = Vec::new();
+        for (key, slot, len) in todo {
+            match self.place(number, key, slot, len) {
                 Ok(item) => items.push(item),
-                Err(kind) => failed.add(self.stats(), key, kind),
+                Err(kind) => failures.push((key, kind)),
             }
         }
+        let bytes: u64 = items.iter().map(|(p, _)| p.bytes).sum();
+        if let Some(active) = self.active.get_mut(&number) {
+            for (key, kind) in failures {
+                active.failed.add(&self.shared.stats, 0, key, kind);
+            }
+            active.records = items.len();
+            active.bytes = bytes;
+        }
+        self.active_bytes += bytes;
         self.preallocate();
-        self.run_to_completion(items, Self::store_done, failed);
-        self.finish_batch(failed);
+        self.submit_stores(items);
+        self.hand_over_written();
     }
 
-    /// Allocates each open segment's blocks up to its cursor (`fallocate`, which also sets the
-    /// file size) before the batch's writes go out. Appending O_DIRECT writes that extend a file
-    /// or fill a hole take the inode's lock exclusively (ext4, xfs), so the kernel runs them one
-    /// at a time, and io_uring hands them to blocking worker threads; writes into allocated
-    /// blocks below the file size run concurrently and asynchronously. Best effort: where it
-    /// fails (a file system without `fallocate`, no space), the writes go out as they are and
-    /// meet the same condition themselves. Not in a shared directory: there another instance's
+    /// Fills and submits store records (or retries), handing results that need no I/O (an
+    /// injected error, a refused submission) to `store_done` at once.
+    fn submit_stores(&mut self, mut items: Vec<(Pending, Ready)>) {
+        while !items.is_empty() {
+            let mut results = Vec::new();
+            let mut ops = Vec::new();
+            let mut ops_bytes = 0;
+            let total = items.len();
+            for (n, (pending, ready)) in items.drain(..).enumerate() {
+                let (pending, ready) = match ready {
+                    Ready::Fill(buf) => self.fill_record(pending, buf),
+                    other => (pending, other),
+                };
+                match ready {
+                    Ready::Injected(error, buf) => results.push((pending, Err(error), buf)),
+                    Ready::Fill(buf) => {
+                        let error = io::Error::other("record left unfilled");
+                        results.push((pending, Err(error), buf));
+                    }
+                    Ready::Op(op) => {
+                        ops_bytes += op.len;
+                        self.store_ops.insert(op.tag, pending);
+                        ops.push(op);
+                    }
+                }
+                if !ops.is_empty() && (ops_bytes >= SUBMIT_BYTES_MIN || n + 1 == total) {
+                    let mut waiting = std::mem::take(&mut self.store_ops);
+                    self.submit(std::mem::take(&mut ops), &mut waiting, &mut results);
+                    self.store_ops = waiting;
+                    ops_bytes = 0;
+                }
+            }
+            let mut failed = Failed::new(0);
+            for (pending, result, buf) in results {
+                self.store_done(pending, result, buf, &mut failed, &mut items);
+            }
+        }
+    }
+
+    /// Reaps at least one store write (if any is in flight) and finishes the jobs whose writes
+    /// all completed. Writes the engine lost (or that never completed after many reap errors,
+    /// none of them reading a slot) fail their records.
+    fn store_step(&mut self) {
+        let mut reaped = Vec::new();
+        let mut errors = 0;
+        while self.engine.in_flight() > 0 && reaped.is_empty() {
+            if self.engine.reap(&mut reaped, 1).is_err() {
+                errors += 1;
+                // A write from a slot owns it until reaped: never give up on those.
+                if errors > REAP_ERRORS_MAX && !self.store_ops.values().any(|p| p.zero_copy) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        let mut retries = Vec::new();
+        let mut failed = Failed::new(0);
+        for completion in reaped {
+            if let Some(pending) = self.store_ops.remove(&completion.tag) {
+                let result = completion.result;
+                self.store_done(pending, result, completion.buf, &mut failed, &mut retries);
+            }
+        }
+        let gave_up = errors > REAP_ERRORS_MAX;
+        if (self.engine.in_flight() == 0 || gave_up) && retries.is_empty() {
+            for (_, pending) in std::mem::take(&mut self.store_ops) {
+                // The engine still owns the operation and its buffer: leak a reference to the
+                // descriptor so that its number is not reused while the engine may still use
+                // it, and fail the record.
+                std::mem::forget(Arc::clone(&pending.file));
+                let error = io::Error::other("the I/O engine lost the operation");
+                let buf = AlignedBuf::with_capacity(0);
+                self.store_done(pending, Err(error), buf, &mut failed, &mut retries);
+            }
+        }
+        self.submit_stores(retries);
+        self.hand_over_written();
+    }
+
+    /// Hands completed record writes to their jobs, and finishes every job whose writes all
+    /// completed.
+    fn hand_over_written(&mut self) {
+        for w in std::mem::take(&mut self.written) {
+            if let Some(active) = self.active.get_mut(&w.job) {
+                active.written.push(w);
+            }
+        }
+        let done: Vec<usize> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.written.len() >= a.records)
+            .map(|(&n, _)| n)
+            .collect();
+        for number in done {
+            if let Some(active) = self.active.remove(&number) {
+                // Until its completion is pushed, a panic must still complete it.
+                self.finishing = Some((active.id, active.keys.clone()));
+                self.finish_store(active);
+                self.finishing = None;
+            }
+        }
+        self.seal_finished();
+    }
+
+    /// Allocates each open segment's blocks up to its cursor (a fresh segment: whole; `fallocate`,
+    /// which also sets the file size) before the job's writes go out. Appending O_DIRECT writes
+    /// that extend a file or fill a hole take the inode's lock exclusively (ext4, xfs), so the
+    /// kernel runs them one at a time, and io_uring hands them to blocking worker threads; writes
+    /// into allocated blocks below the file size run concurrently and asynchronously. Best effort:
+    /// where it fails (a file system without `fallocate`, no space), the writes go out as they are
+    /// and meet the same condition themselves. Not in a shared directory: there another instance's
     /// probe reads segments while they are appended, and a record inside the file size could be
     /// seen with its header written before its payload.
     fn preallocate(&mut self) {
         if !self.preallocate {
             return;
         }
+        let segment_bytes = self.settings.segment_bytes;
         for seg in self.segments.iter_mut().filter(|s| s.allocated < s.cursor) {
-            let (offset, len) = (seg.allocated, seg.cursor - seg.allocated);
+            // A fresh segment is allocated whole: `fallocate` waits for every direct I/O in
+            // flight on the file (ext4's `inode_dio_wait`), so growing it job by job would drain
+            // the writer's queue at every job. Later calls only cover a rewound range or a
+            // record larger than a segment.
+            let end = if seg.allocated == 0 {
+                seg.cursor.max(segment_bytes)
+            } else {
+                seg.cursor
+            };
+            let (offset, len) = (seg.allocated, end - seg.allocated);
             match crate::direct::allocate(&seg.file, offset, len) {
                 Ok(()) => {
-                    seg.allocated = seg.cursor;
+                    seg.allocated = end;
                     add(&self.shared.stats.bytes_preallocated, len);
+                    // The allocated space is the segment's (and counts against the capacity).
+                    self.shared.index().grow_segment(seg.id, end);
                 }
                 Err(e) if crate::direct::is_unsupported(&e) => {
                     self.preallocate = false;
@@ -512,6 +819,7 @@ impl Worker {
     /// fills its buffer. A failure has released what it reserved.
     fn place(
         &mut self,
+        job: usize,
         key: ChunkKey,
         slot: SlotId,
         len: u32,
@@ -560,19 +868,22 @@ impl Worker {
         let seg = &mut self.segments[at];
         let offset = seg.cursor;
         seg.cursor += bytes;
+        seg.records_open += 1;
         let pending = Pending {
+            job,
             key,
             slot,
             len,
             bytes,
             offset,
-            segment: at,
+            segment: seg.id,
             location: None,
             file: Arc::clone(&seg.file),
             direct: seg.direct,
             retried: false,
             corrupt_after_read: false,
             zero_copy,
+            members: Vec::new(),
         };
         Ok((pending, Ready::Fill(buf)))
     }
@@ -665,6 +976,7 @@ impl Worker {
             cursor: 0,
             allocated: 0,
             closed: false,
+            records_open: 0,
         });
         Ok(())
     }
@@ -798,12 +1110,15 @@ impl Worker {
         result: io::Result<usize>,
         buf: AlignedBuf,
         _failed: &mut Failed,
-    ) -> Option<(Pending, Ready)> {
+        retries: &mut Vec<(Pending, Ready)>,
+    ) {
         let failure = match result {
             Ok(n) if n as u64 == pending.bytes => None,
             Ok(_) => Some(FailureKind::ShortWrite),
-            Err(e) if is_einval(&e) && pending.direct && !pending.retried => {
-                let at = pending.segment;
+            Err(e) if is_einval(&e) && pending.direct && !pending.retried => 'retry: {
+                let Some(at) = self.position(pending.segment) else {
+                    break 'retry Some(failure_of(&e));
+                };
                 self.fall_back(&format!(
                     "write {:?} at offset {}: {e}",
                     self.segments[at].path, pending.offset
@@ -819,7 +1134,8 @@ impl Worker {
                         pending.file = Arc::clone(&self.segments[at].file);
                         pending.direct = false;
                         pending.retried = true;
-                        return Some(self.write_item(pending, buf));
+                        retries.push(self.write_item(pending, buf));
+                        return;
                     }
                     Err(e) => Some(failure_of(&e)),
                 }
@@ -828,6 +1144,7 @@ impl Worker {
         };
         self.pool.put(buf);
         self.written.push(Written {
+            job: pending.job,
             key: pending.key,
             len: pending.len,
             segment: pending.segment,
@@ -835,85 +1152,160 @@ impl Worker {
             bytes: pending.bytes,
             failure,
         });
-        None
     }
 
-    /// After every write of a batch completed: flushes (with `Durability::Fsync`), indexes the
-    /// written records, covers dead space before a good record with a skip record (or rewinds the
-    /// segment over a failed tail), and seals the segments that take no further record.
-    fn finish_batch(&mut self, failed: &mut Failed) {
-        let mut written = std::mem::take(&mut self.written);
-        written.sort_by_key(|w| (w.segment, w.offset));
-        let mut start = 0;
-        while start < written.len() {
-            let at = written[start].segment;
-            let end = start + written[start..].partition_point(|w| w.segment == at);
-            self.finish_segment(at, &mut written[start..end], failed);
-            start = end;
+    /// Finishes a store job whose writes all completed: flushes its segments (with
+    /// `Durability::Fsync`), indexes its written records, and gives back the space of its failed
+    /// ones: a failed record at the end of the open segment's records rewinds the segment (the
+    /// next record goes there); one with records after it is covered by a skip record, so that
+    /// later records stay reachable.
+    fn finish_store(&mut self, mut active: Active) {
+        self.active_bytes -= active.bytes;
+        let mut records = std::mem::take(&mut active.written);
+        records.sort_by_key(|w| (w.segment, w.offset));
+        if self.settings.durability == Durability::Fsync {
+            self.flush_records(&mut records);
         }
-        let keep_last = self
-            .segments
-            .last()
-            .is_some_and(|s| !s.closed && s.cursor < self.settings.segment_bytes);
-        let done = self.segments.len() - usize::from(keep_last);
-        let sealing: Vec<OpenSegment> = self.segments.drain(..done).collect();
-        for seg in sealing {
-            self.seal(seg);
-        }
-    }
-
-    /// Finishes the batch's records of segment `at`, which are in offset order.
-    fn finish_segment(&mut self, at: usize, records: &mut [Written], failed: &mut Failed) {
-        let durable = self.settings.durability == Durability::Fsync;
-        if durable && records.iter().any(|w| w.failure.is_none()) {
-            if let Err(e) = self.segments[at].file.sync_data() {
-                for w in records.iter_mut().filter(|w| w.failure.is_none()) {
-                    w.failure = Some(failure_of(&e));
-                }
-                self.segments[at].closed = true;
+        // From the last record back, so that a failed tail rewinds as a whole.
+        for w in records.iter().rev() {
+            let at = self.position(w.segment);
+            if let Some(at) = at {
+                self.segments[at].records_open -= 1;
             }
-        }
-        let good_end = records
-            .iter()
-            .filter(|w| w.failure.is_none())
-            .map(|w| w.offset + w.bytes)
-            .max();
-        let (id, file) = (self.segments[at].id, Arc::clone(&self.segments[at].file));
-        let mut rewind_to = None;
-        for w in records.iter() {
             let Some(kind) = w.failure else {
                 let mut index = self.shared.index();
                 index.release(w.bytes);
-                index.grow_segment(id, w.offset + w.bytes);
-                index.insert(w.key, id, w.offset, w.bytes);
+                index.grow_segment(w.segment, w.offset + w.bytes);
+                index.insert(w.key, w.segment, w.offset, w.bytes);
                 drop(index);
                 add(&self.stats().chunks_stored, 1);
                 add(&self.stats().bytes_stored, u64::from(w.len));
                 continue;
             };
-            failed.add(self.stats(), w.key, kind);
-            if good_end.is_some_and(|end| w.offset < end) {
-                // Dead space before a good record: a skip record keeps later records reachable
-                // by the start-up scan (if it cannot be written, the scan cuts the segment there,
-                // which only loses chunks).
-                if write_skip(&file, w.offset, w.bytes).is_err() {
-                    self.segments[at].closed = true;
+            active.failed.add(self.stats(), 0, w.key, kind);
+            self.shared.index().release(w.bytes);
+            let Some(at) = at else {
+                continue;
+            };
+            let seg = &mut self.segments[at];
+            if seg.cursor == w.offset + w.bytes {
+                // The failed tail is given back: the next record (or the seal) goes there.
+                seg.cursor = w.offset;
+                seg.allocated = seg.allocated.min(w.offset);
+                if seg.file.set_len(w.offset).is_ok() {
+                    self.shared.index().set_segment_bytes(w.segment, w.offset);
                 }
-                let mut index = self.shared.index();
-                index.release(w.bytes);
-                index.grow_segment(id, w.offset + w.bytes);
-            } else {
-                self.shared.index().release(w.bytes);
-                rewind_to = Some(rewind_to.map_or(w.offset, |r: u64| r.min(w.offset)));
+                continue;
+            }
+            // Dead space before other records: a skip record keeps later records reachable by
+            // the start-up scan (if it cannot be written, the scan cuts the segment there,
+            // which only loses chunks).
+            if write_skip(&seg.file, w.offset, w.bytes).is_err() {
+                seg.closed = true;
+            }
+            self.shared
+                .index()
+                .grow_segment(w.segment, w.offset + w.bytes);
+        }
+        let failed = active.failed.into_keys().next().unwrap_or_default();
+        self.shared.cancelled().remove(&active.id);
+        self.finished.push(TierCompletion {
+            id: active.id,
+            failed,
+        });
+    }
+
+    /// Flushes the segments of `records` that hold a written one; a failed flush fails those
+    /// records and closes the segment.
+    fn flush_records(&mut self, records: &mut [Written]) {
+        let mut ids: Vec<SegmentId> = records
+            .iter()
+            .filter(|w| w.failure.is_none())
+            .map(|w| w.segment)
+            .collect();
+        ids.dedup();
+        for id in ids {
+            let Some(at) = self.position(id) else {
+                continue;
+            };
+            if let Err(e) = self.segments[at].file.sync_data() {
+                for w in records.iter_mut().filter(|w| w.segment == id) {
+                    w.failure = w.failure.or(Some(failure_of(&e)));
+                }
+                self.segments[at].closed = true;
             }
         }
-        if let Some(offset) = rewind_to {
-            // The failed tail is given back: the next record (or the seal) goes there.
-            let seg = &mut self.segments[at];
-            seg.cursor = offset;
-            seg.allocated = seg.allocated.min(offset);
-            let _ = seg.file.set_len(offset);
+    }
+
+    /// Seals the segments that take no further record (closed, full, or not the last one) and
+    /// have no record of an unfinished job.
+    fn seal_finished(&mut self) {
+        let segment_bytes = self.settings.segment_bytes;
+        let last = self.segments.len().saturating_sub(1);
+        let mut sealing = Vec::new();
+        let mut keep = Vec::new();
+        for (at, seg) in std::mem::take(&mut self.segments).into_iter().enumerate() {
+            let no_more = seg.closed || at < last || seg.cursor >= segment_bytes;
+            if no_more && seg.records_open == 0 {
+                sealing.push(seg);
+            } else {
+                keep.push(seg);
+            }
         }
+        self.segments = keep;
+        for seg in sealing {
+            self.seal(seg);
+        }
+    }
+
+    /// Where segment `id` is in `segments`.
+    fn position(&self, id: SegmentId) -> Option<usize> {
+        self.segments.iter().position(|s| s.id == id)
+    }
+
+    /// After a panic in the writer: every operation in flight is reaped (some read slots), every
+    /// running job fails as a whole, and its segments are given up unsealed (evictable; the next
+    /// start verifies and seals them).
+    fn writer_panicked(&mut self) {
+        let mut reaped = Vec::new();
+        while self.engine.in_flight() > 0 {
+            if self.engine.reap(&mut reaped, 1).is_err() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            reaped.clear();
+        }
+        let mut index = self.shared.index();
+        for (_, pending) in self.store_ops.drain() {
+            index.release(pending.bytes);
+        }
+        for w in self.written.drain(..) {
+            index.release(w.bytes);
+        }
+        for seg in self.segments.drain(..) {
+            index.release(SEAL_BYTES);
+            index.set_state(seg.id, SegmentState::Sealed);
+        }
+        drop(index);
+        let mut given_up: Vec<(JobId, Vec<ChunkKey>)> = self.finishing.take().into_iter().collect();
+        for (_, active) in self.active.drain() {
+            for w in &active.written {
+                self.shared.index().release(w.bytes);
+            }
+            given_up.push((active.id, active.keys));
+        }
+        given_up.sort_by_key(|(id, _)| *id);
+        for (id, keys) in given_up {
+            let mut failed = Failed::new(1);
+            for key in keys {
+                failed.add(&self.shared.stats, 0, key, FailureKind::Io);
+            }
+            self.shared.cancelled().remove(&id);
+            self.finished.push(TierCompletion {
+                id,
+                failed: failed.into_keys().next().unwrap_or_default(),
+            });
+        }
+        self.active_bytes = 0;
     }
 
     /// Seals a segment that takes no further record (or removes it if it holds none).
@@ -926,18 +1318,31 @@ impl Worker {
             return;
         }
         let durable = self.settings.durability == Durability::Fsync;
-        let sealed = write_seal(&seg.file, seg.cursor).and_then(|()| {
-            if durable {
-                seg.file.sync_data()
-            } else {
-                Ok(())
-            }
-        });
+        // The allocated tail past the records goes; the seal then extends the file to its end.
+        let trimmed = if seg.allocated > seg.cursor {
+            seg.file.set_len(seg.cursor)
+        } else {
+            Ok(())
+        };
+        let sealed = trimmed
+            .and_then(|()| write_seal(&seg.file, seg.cursor))
+            .and_then(|()| {
+                if durable {
+                    seg.file.sync_data()
+                } else {
+                    Ok(())
+                }
+            });
+        let size = seg.file.metadata().map(|m| m.len());
         let mut index = self.shared.index();
         index.release(SEAL_BYTES);
         if sealed.is_ok() {
             // Unsealed (a failed seal write), it is recovered by the next start's scan.
             index.grow_segment(seg.id, seg.cursor + SEAL_BYTES);
+        }
+        if let Ok(size) = size {
+            // The allocated tail is gone (or, if the trim failed, still there).
+            index.set_segment_bytes(seg.id, size);
         }
         index.set_state(seg.id, SegmentState::Sealed);
         drop(index);
@@ -956,7 +1361,8 @@ impl Worker {
 
     fn load(&mut self, job: &TierJob, failed: &mut Failed) {
         self.prune_readers();
-        self.batches(job, &job.chunks, failed, Self::load_batch);
+        let chunks = job.chunks.iter().map(|&chunk| (0, chunk)).collect();
+        self.batches(&[job.id], chunks, failed, Self::load_batch);
     }
 
     /// Closes cached descriptors of segments that left the index (so their space is freed).
@@ -969,15 +1375,95 @@ impl Worker {
             .retain(|id, _| index.segment_path(*id).is_some());
     }
 
-    fn load_batch(&mut self, chunks: &[Chunk], failed: &mut Failed) {
+    fn load_batch(&mut self, chunks: &[JobChunk], failed: &mut Failed) {
         let mut items = Vec::with_capacity(chunks.len());
-        for &(key, slot, len) in chunks {
-            match self.prepare_load(key, slot, len) {
+        for &(j, (key, slot, len)) in chunks {
+            match self.prepare_load(j, key, slot, len) {
                 Ok(item) => items.push(item),
-                Err(kind) => failed.add(self.stats(), key, kind),
+                Err(kind) => failed.add(self.stats(), j, key, kind),
             }
         }
+        let items = self.merge_reads(items);
         self.run_to_completion(items, Self::load_done, failed);
+    }
+
+    /// Merges the reads of records that lie one after another in the same segment (read through
+    /// the same descriptor, bounce-buffered, without an injected fault that changes the
+    /// operation) into one read each, of at most [`READ_MERGE_BYTES_MAX`]; the others are
+    /// returned as they are.
+    fn merge_reads(&mut self, items: Vec<(Pending, Ready)>) -> Vec<(Pending, Ready)> {
+        let mergeable = |(pending, ready): &(Pending, Ready)| match ready {
+            Ready::Op(op) => {
+                op.span.is_none()
+                    && op.len as u64 == pending.bytes
+                    && !pending.zero_copy
+                    && pending.location.is_some()
+            }
+            _ => false,
+        };
+        let (mut reads, mut out): (Vec<_>, Vec<_>) = items.into_iter().partition(mergeable);
+        let place = |p: &Pending| {
+            let segment = p.location.as_ref().map(|l| l.segment);
+            (segment, p.offset)
+        };
+        reads.sort_by_key(|(p, _)| place(p));
+        let mut run: Vec<(Pending, Ready)> = Vec::new();
+        for item in reads {
+            let follows = run.last().is_some_and(|(last, _)| {
+                let run_bytes: u64 = run.iter().map(|(p, _)| p.bytes).sum();
+                Arc::ptr_eq(&last.file, &item.0.file)
+                    && place(last).0 == place(&item.0).0
+                    && last.offset + last.bytes == item.0.offset
+                    && run_bytes + item.0.bytes <= READ_MERGE_BYTES_MAX
+            });
+            if !follows {
+                self.flush_run(&mut run, &mut out);
+            }
+            run.push(item);
+        }
+        self.flush_run(&mut run, &mut out);
+        out
+    }
+
+    /// Moves `run` (reads of neighbouring records) into `out`: as it is if it is a single read
+    /// (or the merged buffer cannot be had), else as one merged read.
+    fn flush_run(&mut self, run: &mut Vec<(Pending, Ready)>, out: &mut Vec<(Pending, Ready)>) {
+        if run.len() < 2 {
+            out.append(run);
+            return;
+        }
+        let bytes: u64 = run.iter().map(|(p, _)| p.bytes).sum();
+        let Ok(buf) = self.pool.get(bytes as usize) else {
+            out.append(run);
+            return;
+        };
+        let mut members = Vec::with_capacity(run.len());
+        for (pending, ready) in run.drain(..) {
+            if let Ready::Op(op) = ready {
+                self.pool.put(op.buf);
+            }
+            members.push(pending);
+        }
+        let first = &members[0];
+        let head = Pending {
+            job: first.job,
+            key: first.key,
+            slot: first.slot,
+            len: 0,
+            bytes,
+            offset: first.offset,
+            segment: SegmentId(0),
+            location: first.location.clone(),
+            file: Arc::clone(&first.file),
+            direct: first.direct,
+            retried: false,
+            corrupt_after_read: false,
+            zero_copy: false,
+            members,
+        };
+        add(&self.stats().reads_merged, head.members.len() as u64);
+        let op = self.op_for(OpKind::Read, &head, bytes as usize, buf, None);
+        out.push((head, Ready::Op(op)));
     }
 
     /// A read descriptor of `location`'s segment (cached), with or without O_DIRECT.
@@ -999,6 +1485,7 @@ impl Worker {
 
     fn prepare_load(
         &mut self,
+        job: usize,
         key: ChunkKey,
         slot: SlotId,
         len: u32,
@@ -1042,18 +1529,20 @@ impl Worker {
         };
         let buf = self.pool.get(buf_bytes).map_err(|e| failure_of(&e))?;
         let pending = Pending {
+            job,
             key,
             slot,
             len,
             bytes,
             offset: location.offset,
-            segment: 0,
+            segment: SegmentId(0),
             location: Some(location),
             file,
             direct,
             retried: false,
             corrupt_after_read: false,
             zero_copy,
+            members: Vec::new(),
         };
         Ok(self.read_item(pending, buf))
     }
@@ -1088,22 +1577,30 @@ impl Worker {
         (pending, Ready::Op(op))
     }
 
-    /// Handles a load's completion; returns the operation to retry buffered after EINVAL.
+    /// Handles a load's completion; pushes the operation to retry buffered after EINVAL.
     fn load_done(
         &mut self,
         mut pending: Pending,
         result: io::Result<usize>,
         buf: AlignedBuf,
         failed: &mut Failed,
-    ) -> Option<(Pending, Ready)> {
+        retries: &mut Vec<(Pending, Ready)>,
+    ) {
+        if !pending.members.is_empty() {
+            self.merged_done(pending, result, buf, failed, retries);
+            return;
+        }
         match result {
             Ok(n) => {
                 self.verify_and_copy(&pending, n, &buf, failed);
                 self.pool.put(buf);
-                None
             }
             Err(e) if is_einval(&e) && pending.direct && !pending.retried => {
-                let location = pending.location.clone()?;
+                let Some(location) = pending.location.clone() else {
+                    self.pool.put(buf);
+                    failed.add(self.stats(), pending.job, pending.key, failure_of(&e));
+                    return;
+                };
                 self.fall_back(&format!(
                     "read {:?} at offset {}: {e}",
                     location.path, location.offset
@@ -1114,21 +1611,89 @@ impl Worker {
                         pending.file = file;
                         pending.direct = false;
                         pending.retried = true;
-                        Some(self.read_item(pending, buf))
+                        retries.push(self.read_item(pending, buf));
                     }
                     Err(e) => {
                         self.pool.put(buf);
                         let kind = self.open_failed(&location, &e);
-                        failed.add(self.stats(), pending.key, kind);
-                        None
+                        failed.add(self.stats(), pending.job, pending.key, kind);
                     }
                 }
             }
             Err(e) => {
                 // EIO and the like may be transient: the key fails, the record stays.
                 self.pool.put(buf);
-                failed.add(self.stats(), pending.key, failure_of(&e));
-                None
+                failed.add(self.stats(), pending.job, pending.key, failure_of(&e));
+            }
+        }
+    }
+
+    /// Handles the completion of a merged read: each record it read whole is verified and
+    /// copied like a single read; a record it did not read whole (a short read) and, after
+    /// EINVAL, every record is read again on its own (where a short read means a torn record).
+    fn merged_done(
+        &mut self,
+        mut head: Pending,
+        result: io::Result<usize>,
+        buf: AlignedBuf,
+        failed: &mut Failed,
+        retries: &mut Vec<(Pending, Ready)>,
+    ) {
+        let members = std::mem::take(&mut head.members);
+        let n = match result {
+            Ok(n) => n,
+            Err(e) if is_einval(&e) && head.direct => {
+                self.fall_back(&format!(
+                    "read {:?} at offset {}: {e}",
+                    head.location.as_ref().map(|l| &l.path),
+                    head.offset
+                ));
+                // Each record alone, through a descriptor of the segment now without O_DIRECT.
+                0
+            }
+            Err(e) => {
+                self.pool.put(buf);
+                for m in members {
+                    failed.add(self.stats(), m.job, m.key, failure_of(&e));
+                }
+                return;
+            }
+        };
+        let image = buf.as_full_slice();
+        let mut again = Vec::new();
+        for m in members {
+            let at = (m.offset - head.offset) as usize;
+            let end = at + m.bytes as usize;
+            if n < end {
+                again.push(m);
+                continue;
+            }
+            self.verify_image(&m, &image[at..end], failed);
+        }
+        self.pool.put(buf);
+        for mut m in again {
+            if !self.direct() && m.direct {
+                let Some(location) = m.location.clone() else {
+                    failed.add(self.stats(), m.job, m.key, FailureKind::Io);
+                    continue;
+                };
+                match self.reader(&location, false) {
+                    Ok((file, _)) => {
+                        add(&self.stats().buffered_retries, 1);
+                        m.file = file;
+                        m.direct = false;
+                        m.retried = true;
+                    }
+                    Err(e) => {
+                        let kind = self.open_failed(&location, &e);
+                        failed.add(self.stats(), m.job, m.key, kind);
+                        continue;
+                    }
+                }
+            }
+            match self.pool.get(m.bytes as usize) {
+                Ok(buf) => retries.push(self.read_item(m, buf)),
+                Err(e) => failed.add(self.stats(), m.job, m.key, failure_of(&e)),
             }
         }
     }
@@ -1145,14 +1710,24 @@ impl Worker {
         let key = pending.key;
         if (n as u64) < pending.bytes {
             self.quarantine(key, pending.location.as_ref());
-            failed.add(self.stats(), key, FailureKind::ShortRead);
+            failed.add(self.stats(), pending.job, key, FailureKind::ShortRead);
             return;
         }
         if pending.zero_copy {
             self.verify_in_slot(pending, buf, failed);
             return;
         }
-        let read = &buf.as_full_slice()[..pending.bytes as usize];
+        self.verify_image(
+            pending,
+            &buf.as_full_slice()[..pending.bytes as usize],
+            failed,
+        );
+    }
+
+    /// Verifies the record image `read` (header, payload, padding) for `pending` and copies its
+    /// payload into the slot; a corrupt record is quarantined.
+    fn verify_image(&mut self, pending: &Pending, read: &[u8], failed: &mut Failed) {
+        let key = pending.key;
         let corrupted;
         let image = if pending.corrupt_after_read {
             let mut copy = read.to_vec();
@@ -1169,11 +1744,11 @@ impl Worker {
                 add(&self.stats().bytes_loaded, u64::from(pending.len));
             }
             Err(e) if !e.is_corruption() => {
-                failed.add(self.stats(), key, FailureKind::LengthMismatch)
+                failed.add(self.stats(), pending.job, key, FailureKind::LengthMismatch)
             }
             Err(_) => {
                 self.quarantine(key, pending.location.as_ref());
-                failed.add(self.stats(), key, FailureKind::Corrupt);
+                failed.add(self.stats(), pending.job, key, FailureKind::Corrupt);
             }
         }
     }
@@ -1184,7 +1759,7 @@ impl Worker {
     fn verify_in_slot(&mut self, pending: &Pending, buf: &AlignedBuf, failed: &mut Failed) {
         let key = pending.key;
         let Some(payload) = self.slot_payload(pending.slot, pending.len) else {
-            failed.add(self.stats(), key, FailureKind::Io);
+            failed.add(self.stats(), pending.job, key, FailureKind::Io);
             return;
         };
         // SAFETY: the read into the slot was reaped (this runs on its completion), the slot
@@ -1201,11 +1776,11 @@ impl Worker {
                 add(&self.stats().bytes_loaded, u64::from(pending.len));
             }
             Err(e) if !e.is_corruption() => {
-                failed.add(self.stats(), key, FailureKind::LengthMismatch)
+                failed.add(self.stats(), pending.job, key, FailureKind::LengthMismatch)
             }
             Err(_) => {
                 self.quarantine(key, pending.location.as_ref());
-                failed.add(self.stats(), key, FailureKind::Corrupt);
+                failed.add(self.stats(), pending.job, key, FailureKind::Corrupt);
             }
         }
     }
@@ -1329,9 +1904,7 @@ impl Worker {
         }
         let mut handle = |worker: &mut Worker, results: &mut Vec<_>| {
             for (pending, result, buf) in results.drain(..) {
-                if let Some(retry) = done(worker, pending, result, buf, failed) {
-                    retries.push(retry);
-                }
+                done(worker, pending, result, buf, failed, &mut retries);
             }
         };
         handle(self, &mut results);

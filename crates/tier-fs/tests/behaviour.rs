@@ -12,6 +12,7 @@ use tier_fs::{
     EngineChoice, FailureKind, Fault, FaultPlan, FaultRule, FaultSite, FsError, FsTier,
     FsTierConfig,
 };
+use tier_testkit::fill_slot;
 
 const FULL: u32 = SLOT_BYTES as u32;
 
@@ -69,7 +70,7 @@ fn round_trip(engine: EngineChoice) {
     assert!(files_with_suffix(root, ".tmp").is_empty());
     assert_eq!(chunk_file_bytes(root), rig.tier.used_bytes());
     assert_eq!(chunk_file_bytes(root) % 4096, 0);
-    // The batch's range was allocated before its writes went out: exactly the records.
+    // The open segment was allocated whole before the first writes went out (and counts).
     assert_eq!(rig.tier.stats().bytes_preallocated, chunk_file_bytes(root));
     // A second store of the same keys is not rewritten.
     let done = rig.store(&chunks);
@@ -84,6 +85,14 @@ fn round_trip(engine: EngineChoice) {
     assert!(rig.slot_is(10, FULL, 101));
     assert_eq!(rig.lookup(key(4)), TierLookup::Hit);
     assert_eq!(rig.tier.stats().failures_of(FailureKind::LengthMismatch), 1);
+    // Sealing trims the allocated tail: the file holds the four records and the seal.
+    let records = rig.tier.used_bytes();
+    drop(rig);
+    let sealed = chunk_file_bytes(root);
+    assert!(sealed < records, "{sealed} >= {records}");
+    let mut rig = Rig::start(config(dir.path(), engine));
+    assert_eq!(rig.tier.used_bytes(), sealed);
+    assert_eq!(rig.lookup(key(1)), TierLookup::Hit);
 }
 
 fn restart_is_warm(engine: EngineChoice) {
@@ -416,6 +425,91 @@ fn zero_copy_faults_are_caught(engine: EngineChoice) {
     assert_eq!(rig.tier.stats().zero_copy_ops, before + expected_ops);
 }
 
+fn neighbouring_records_are_read_at_once(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(config(dir.path(), engine));
+    let chunks: Vec<_> = (1..=4).map(|n| (key(n), n as u32, FULL, 300 + n)).collect();
+    assert!(rig.store(&chunks).is_success());
+    let zero_copy_loads = rig.tier.stats().direct_io
+        && rig.memory.slot_ptr(offload_core::SlotId(0)).is_some()
+        && config(dir.path(), engine).zero_copy_loads;
+    load_and_check(&mut rig, &chunks);
+    // The four records lie one after another: one read (bounce-buffered loads only).
+    let merged = if zero_copy_loads { 0 } else { 4 };
+    assert_eq!(rig.tier.stats().reads_merged, merged);
+    // Cut the segment inside the third record: a merged read comes back short, the records it
+    // read whole still load, and the torn ones fail as short reads (each read again alone).
+    let (path, third) = rig.tier.chunk_location(key(3)).unwrap();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(third + 4096)
+        .unwrap();
+    let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
+    let mut failed = rig.load(&loads).failed;
+    failed.sort();
+    let mut expected = vec![key(3), key(4)];
+    expected.sort();
+    assert_eq!(failed, expected);
+    assert!(rig.slot_is(9, FULL, 301) && rig.slot_is(10, FULL, 302));
+    let stats = rig.tier.stats();
+    assert_eq!(stats.failures_of(FailureKind::ShortRead), 2, "{stats:?}");
+    assert_eq!(stats.failures_total(), 2, "{stats:?}");
+}
+
+fn store_jobs_share_one_append_stream(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(config(dir.path(), engine));
+    // Eight store jobs of two chunks each, all submitted before any completes.
+    let mut ids = Vec::new();
+    for j in 0..8u64 {
+        let chunks: Vec<_> = (0..2u64)
+            .map(|c| {
+                let n = 100 + 2 * j + c;
+                let slot = (2 * j + c) as u32;
+                fill_slot(&*rig.memory, offload_core::SlotId(slot), FULL as usize, n);
+                (key(n), offload_core::SlotId(slot), FULL)
+            })
+            .collect();
+        let job = offload_core::tier::TierJob {
+            id: offload_core::JobId(1000 + j),
+            request: None,
+            op: offload_core::tier::TierOp::Store,
+            chunks,
+        };
+        rig.tier.submit(job).expect("store accepted");
+        ids.push(offload_core::JobId(1000 + j));
+    }
+    // Exactly one completion per job.
+    let mut done = Vec::new();
+    let start = std::time::Instant::now();
+    while done.len() < ids.len() {
+        assert!(start.elapsed() < DEADLINE, "stores not complete: {done:?}");
+        rig.tier.poll(&mut done);
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    rig.tier.drain();
+    rig.tier.poll(&mut done);
+    let mut completed: Vec<_> = done.iter().map(|c| c.id).collect();
+    completed.sort();
+    assert_eq!(completed, ids);
+    assert!(done.iter().all(|c| c.is_success()), "{done:?}");
+    // One writer: the sixteen records lie one after another in one segment.
+    assert_eq!(files_with_suffix(dir.path(), ".seg").len(), 1);
+    let mut offsets: Vec<u64> = (100..116)
+        .map(|n| rig.tier.chunk_location(key(n)).unwrap().1)
+        .collect();
+    offsets.sort_unstable();
+    for pair in offsets.windows(2) {
+        assert_eq!(pair[1] - pair[0], FULL_FILE_BYTES);
+    }
+    let check: Vec<_> = (0..8u64)
+        .map(|n| (key(100 + n), n as u32, FULL, 100 + n))
+        .collect();
+    load_and_check(&mut rig, &check);
+}
+
 macro_rules! engine_tests {
     ($engine:expr, $aligned:expr, $($name:ident)*) => {
         $(
@@ -448,6 +542,8 @@ macro_rules! all_engine_tests {
             corruption_is_detected_and_quarantined
             every_nth_rule_and_durable_stores
             zero_copy_faults_are_caught
+            neighbouring_records_are_read_at_once
+            store_jobs_share_one_append_stream
         );
     };
 }
