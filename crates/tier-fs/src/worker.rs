@@ -491,15 +491,8 @@ impl Worker {
         }
         // Whatever the batch wrote is not indexed, and writes may still be in flight: its
         // segments are given up unsealed (evictable; the next start verifies and seals them).
-        let mut index = self.shared.index();
-        for w in self.written.drain(..) {
-            index.release(w.bytes);
-        }
-        for seg in self.segments.drain(..) {
-            index.release(SEAL_BYTES);
-            index.set_state(seg.id, SegmentState::Sealed);
-        }
-        drop(index);
+        let shared = Arc::clone(&self.shared);
+        give_up_segments(&mut self.written, &mut self.segments, &mut shared.index());
         self.completions(group, failed)
     }
 
@@ -1278,13 +1271,7 @@ impl Worker {
         for (_, pending) in self.store_ops.drain() {
             index.release(pending.bytes);
         }
-        for w in self.written.drain(..) {
-            index.release(w.bytes);
-        }
-        for seg in self.segments.drain(..) {
-            index.release(SEAL_BYTES);
-            index.set_state(seg.id, SegmentState::Sealed);
-        }
+        give_up_segments(&mut self.written, &mut self.segments, &mut index);
         drop(index);
         let mut given_up: Vec<(JobId, Vec<ChunkKey>)> = self.finishing.take().into_iter().collect();
         for (_, active) in self.active.drain() {
@@ -1987,4 +1974,20 @@ fn fault_error(fault: Fault) -> io::Error {
     fault
         .os_error()
         .unwrap_or_else(|| io::Error::other(format!("injected {fault:?}")))
+}
+
+/// Releases the space of records written but not indexed and of the open segments' seals, and
+/// leaves those segments unsealed (evictable; the next start verifies and seals them).
+fn give_up_segments(
+    written: &mut Vec<Written>,
+    segments: &mut Vec<OpenSegment>,
+    index: &mut Index,
+) {
+    for w in written.drain(..) {
+        index.release(w.bytes);
+    }
+    for seg in segments.drain(..) {
+        index.release(SEAL_BYTES);
+        index.set_state(seg.id, SegmentState::Sealed);
+    }
 }
