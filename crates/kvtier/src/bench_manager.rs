@@ -232,9 +232,7 @@ pub fn run(
         let start = Instant::now();
         let counts = replay(&mut pool, trace, &mut scratch)?;
         let elapsed = start.elapsed().as_secs_f64();
-        if let Some(cpu) = cpu_start.and_then(|t| t.try_elapsed().ok()) {
-            cpu_times.push(cpu.as_secs_f64());
-        }
+        cpu_times.push(cpu_start.and_then(|t| t.try_elapsed().ok()));
         std::hint::black_box(&pool);
         times.push(elapsed);
         match first {
@@ -252,9 +250,6 @@ pub fn run(
         progress(&format!("pass {}/{passes}: {elapsed:.4} s", p + 1));
     }
     let counts = first.unwrap_or_default();
-    let mut sorted = times.clone();
-    sorted.sort_by(f64::total_cmp);
-    let elapsed_s = sorted[sorted.len() / 2];
     let per_s = |t: f64| {
         if t > 0.0 {
             counts.block_ops as f64 / t
@@ -262,17 +257,16 @@ pub fn run(
             0.0
         }
     };
-    // Every pass or none has a CPU time.
-    let cpu_sorted = (cpu_times.len() == times.len()).then(|| {
-        let mut v = cpu_times.clone();
-        v.sort_by(f64::total_cmp);
-        v
-    });
+    let (elapsed_s, fastest_s) = median_and_least(&times);
+    // Every pass has a thread CPU time, or none is reported.
+    let cpu_times: Vec<f64> = cpu_times
+        .into_iter()
+        .map(|t| t.map(|d| d.as_secs_f64()))
+        .collect::<Option<_>>()
+        .unwrap_or_default();
+    let cpu = (!cpu_times.is_empty()).then(|| median_and_least(&cpu_times));
     Ok(ManagerBenchReport {
-        policy: match config.policy {
-            EvictionPolicy::Lru => "lru".into(),
-            EvictionPolicy::Arc => "arc".into(),
-        },
+        policy: config.policy.name().into(),
         capacity_blocks: config.capacity_blocks,
         requests: trace.requests() as u64,
         total_blocks: trace.total_blocks() as u64,
@@ -281,17 +275,19 @@ pub fn run(
         store_failures: counts.store_failures,
         elapsed_s,
         block_ops_per_s: per_s(elapsed_s),
-        best_block_ops_per_s: per_s(sorted[0]),
+        best_block_ops_per_s: per_s(fastest_s),
         passes,
         pass_elapsed_s: times,
-        cpu_block_ops_per_s: cpu_sorted.as_ref().map(|v| per_s(v[v.len() / 2])),
-        best_cpu_block_ops_per_s: cpu_sorted.as_ref().map(|v| per_s(v[0])),
-        pass_cpu_s: if cpu_sorted.is_some() {
-            cpu_times
-        } else {
-            Vec::new()
-        },
+        cpu_block_ops_per_s: cpu.map(|(median, _)| per_s(median)),
+        best_cpu_block_ops_per_s: cpu.map(|(_, least)| per_s(least)),
+        pass_cpu_s: cpu_times,
     })
+}
+
+/// The median pass time and the least one.
+fn median_and_least(times: &[f64]) -> (f64, f64) {
+    let least = times.iter().copied().fold(f64::INFINITY, f64::min);
+    (offload_core::bench::median(&mut times.to_vec()), least)
 }
 
 /// What the vLLM script reported (its JSON output, the fields used here).
@@ -373,10 +369,7 @@ pub fn run_vllm(
         .arg("--capacity-blocks")
         .arg(config.capacity_blocks.to_string())
         .arg("--policy")
-        .arg(match config.policy {
-            EvictionPolicy::Lru => "lru",
-            EvictionPolicy::Arc => "arc",
-        })
+        .arg(config.policy.name())
         .arg("--passes")
         .arg(passes.max(1).to_string());
     if let Some(n) = limit {
@@ -706,9 +699,10 @@ echo '{"vllm_version": "0.33.0", "import": "light", "hit_blocks": 5, "block_ops"
         let c = ManagerComparison::new(report.clone(), vllm);
         assert_eq!(c.ratio, report.block_ops_per_s / 1000.0);
         assert_eq!(c.best_ratio, report.best_block_ops_per_s / 2000.0);
-        if let Some(cpu) = report.cpu_block_ops_per_s {
-            assert_eq!(c.cpu_ratio, Some(cpu / 1500.0));
-        }
+        let cpu = report
+            .cpu_block_ops_per_s
+            .expect("Linux has a thread CPU clock");
+        assert_eq!(c.cpu_ratio, Some(cpu / 1500.0));
         assert!(render_comparison(&c).contains("ratio"));
 
         // Wrong settings: the script fails, and its last error line is in the message.

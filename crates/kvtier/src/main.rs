@@ -514,10 +514,7 @@ fn replay_cmd(args: &ReplayArgs, json: bool) -> Result<(), Failure> {
         model: args.model.choice(None)?,
         tokens_per_block: args.tokens_per_block,
         blocks_per_chunk: args.blocks_per_chunk,
-        eviction_policy: match args.eviction_policy {
-            PolicyArg::Lru => "lru".into(),
-            PolicyArg::Arc => "arc".into(),
-        },
+        eviction_policy: EvictionPolicy::from(args.eviction_policy).name().into(),
         async_scheduling: args.async_scheduling,
         offload_prompt_only: args.offload_prompt_only,
         workers: args.workers,

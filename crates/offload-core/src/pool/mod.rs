@@ -57,6 +57,14 @@ impl EvictionPolicy {
             }),
         }
     }
+
+    /// The name [`EvictionPolicy::from_name`] reads: `"lru"` or `"arc"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Arc => "arc",
+        }
+    }
 }
 
 /// Settings of a [`HostPool`].
@@ -511,10 +519,7 @@ impl HostPool {
                 self.idle_count
             ));
         }
-        let ghosts = match &self.policy {
-            Policy::Lru(_) => 0,
-            Policy::Arc(a) => a.ghost_count() as usize,
-        };
+        let ghosts = self.ghost_count();
         if self.map.len() as usize != present + ghosts {
             return Err(format!(
                 "key table holds {}, {present} present and {ghosts} ghosts",
@@ -557,10 +562,7 @@ impl HostPool {
     #[inline]
     fn debug_check_counts(&self) {
         debug_assert!(self.free_count <= self.config.slot_count);
-        let ghosts = match &self.policy {
-            Policy::Lru(_) => 0,
-            Policy::Arc(a) => a.ghost_count() as usize,
-        };
+        let ghosts = self.ghost_count();
         debug_assert_eq!(
             self.map.len() as usize,
             self.len() + ghosts,
@@ -580,6 +582,14 @@ impl HostPool {
         self.map.find(h, |s| {
             slots.get(s as usize).is_some_and(|slot| slot.is(key))
         })
+    }
+
+    /// Ghosts in the key table (ARC's; none with LRU).
+    fn ghost_count(&self) -> usize {
+        match &self.policy {
+            Policy::Lru(_) => 0,
+            Policy::Arc(a) => a.ghost_count() as usize,
+        }
     }
 
     /// The hash of key-table index `i` (a slot, or with ARC a ghost: then exact in the high word,

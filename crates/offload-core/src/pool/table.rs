@@ -165,6 +165,15 @@ impl IndexTable {
         }
     }
 
+    /// Whether entry `e` at bucket `i` sits closer to its home than `d` buckets: where a probe
+    /// `d` buckets from its home stops, and where Robin Hood insertion takes the bucket.
+    #[inline]
+    fn yields(&self, e: u32, i: usize, d: u32, hash_of: &mut impl FnMut(u32) -> u64) -> bool {
+        let stored = self.disp(e);
+        stored < d.min(DISP_MAX)
+            || (stored == DISP_MAX && d > stored && self.exact_disp(e, i, hash_of) < d)
+    }
+
     /// Adds `idx` under `h`. The caller guarantees that no equal key is present. `hash_of` gives
     /// the hash stored for any other index (called only for saturated displacements).
     #[inline]
@@ -195,10 +204,7 @@ impl IndexTable {
                 break;
             }
             // Where `find` would stop, Robin Hood insertion places the new entry.
-            let stored = self.disp(e);
-            if stored < d.min(DISP_MAX)
-                || (stored == DISP_MAX && d > stored && self.exact_disp(e, i, &mut hash_of) < d)
-            {
+            if self.yields(e, i, d, &mut hash_of) {
                 break;
             }
             if e & self.tag_mask == tag && is_old(e & self.idx_mask) {
@@ -237,11 +243,8 @@ impl IndexTable {
                 e & self.idx_mask != carried & self.idx_mask,
                 "index inserted twice"
             );
-            let stored = self.disp(e);
             // Robin Hood: the entry closer to its home yields its bucket.
-            if stored < d.min(DISP_MAX)
-                || (stored == DISP_MAX && d > stored && self.exact_disp(e, i, &mut hash_of) < d)
-            {
+            if self.yields(e, i, d, &mut hash_of) {
                 let e_disp = self.exact_disp(e, i, &mut hash_of);
                 self.entries[i] = self.with_disp(carried, d as usize);
                 carried = e;
