@@ -656,33 +656,9 @@ impl Worker {
     fn submit_stores(&mut self, mut items: Vec<(Pending, Ready)>) {
         while !items.is_empty() {
             let mut results = Vec::new();
-            let mut ops = Vec::new();
-            let mut ops_bytes = 0;
-            let total = items.len();
-            for (n, (pending, ready)) in items.drain(..).enumerate() {
-                let (pending, ready) = match ready {
-                    Ready::Fill(buf) => self.fill_record(pending, buf),
-                    other => (pending, other),
-                };
-                match ready {
-                    Ready::Injected(error, buf) => results.push((pending, Err(error), buf)),
-                    Ready::Fill(buf) => {
-                        let error = io::Error::other("record left unfilled");
-                        results.push((pending, Err(error), buf));
-                    }
-                    Ready::Op(op) => {
-                        ops_bytes += op.len;
-                        self.store_ops.insert(op.tag, pending);
-                        ops.push(op);
-                    }
-                }
-                if !ops.is_empty() && (ops_bytes >= SUBMIT_BYTES_MIN || n + 1 == total) {
-                    let mut waiting = std::mem::take(&mut self.store_ops);
-                    self.submit(std::mem::take(&mut ops), &mut waiting, &mut results);
-                    self.store_ops = waiting;
-                    ops_bytes = 0;
-                }
-            }
+            let mut waiting = std::mem::take(&mut self.store_ops);
+            self.fill_and_submit(std::mem::take(&mut items), &mut waiting, &mut results);
+            self.store_ops = waiting;
             let mut failed = Failed::new(0);
             for (pending, result, buf) in results {
                 self.store_done(pending, result, buf, &mut failed, &mut items);
@@ -1864,31 +1840,7 @@ impl Worker {
         let mut results = Vec::new();
         let mut retries = Vec::new();
         let mut waiting: HashMap<u64, Pending> = HashMap::new();
-        let mut ops = Vec::new();
-        let mut ops_bytes = 0;
-        let mut submitted = 0;
-        let total = items.len();
-        for (n, (pending, ready)) in items.into_iter().enumerate() {
-            let (pending, ready) = match ready {
-                Ready::Fill(buf) => self.fill_record(pending, buf),
-                other => (pending, other),
-            };
-            match ready {
-                Ready::Injected(error, buf) => results.push((pending, Err(error), buf)),
-                Ready::Fill(buf) => {
-                    results.push((pending, Err(io::Error::other("record left unfilled")), buf))
-                }
-                Ready::Op(op) => {
-                    ops_bytes += op.len;
-                    waiting.insert(op.tag, pending);
-                    ops.push(op);
-                }
-            }
-            if !ops.is_empty() && (ops_bytes >= SUBMIT_BYTES_MIN || n + 1 == total) {
-                submitted += self.submit(std::mem::take(&mut ops), &mut waiting, &mut results);
-                ops_bytes = 0;
-            }
-        }
+        let submitted = self.fill_and_submit(items, &mut waiting, &mut results);
         let mut handle = |worker: &mut Worker, results: &mut Vec<_>| {
             for (pending, result, buf) in results.drain(..) {
                 done(worker, pending, result, buf, failed, &mut retries);
@@ -1925,6 +1877,45 @@ impl Worker {
         }
         handle(self, &mut results);
         retries
+    }
+
+    /// Fills the store records of `items` that are still to be filled, just before their
+    /// submission, and submits the operations in groups of at least [`SUBMIT_BYTES_MIN`] bytes,
+    /// each one's `Pending` in `waiting` under its tag (so the disk writes the first records while
+    /// later ones are copied and checksummed). Injected errors, unfilled records and refused
+    /// submissions go to `results`. Returns how many operations the engine took.
+    fn fill_and_submit(
+        &mut self,
+        items: Vec<(Pending, Ready)>,
+        waiting: &mut HashMap<u64, Pending>,
+        results: &mut Vec<(Pending, io::Result<usize>, AlignedBuf)>,
+    ) -> usize {
+        let mut ops = Vec::new();
+        let mut ops_bytes = 0;
+        let mut submitted = 0;
+        let total = items.len();
+        for (n, (pending, ready)) in items.into_iter().enumerate() {
+            let (pending, ready) = match ready {
+                Ready::Fill(buf) => self.fill_record(pending, buf),
+                other => (pending, other),
+            };
+            match ready {
+                Ready::Injected(error, buf) => results.push((pending, Err(error), buf)),
+                Ready::Fill(buf) => {
+                    results.push((pending, Err(io::Error::other("record left unfilled")), buf))
+                }
+                Ready::Op(op) => {
+                    ops_bytes += op.len;
+                    waiting.insert(op.tag, pending);
+                    ops.push(op);
+                }
+            }
+            if !ops.is_empty() && (ops_bytes >= SUBMIT_BYTES_MIN || n + 1 == total) {
+                submitted += self.submit(std::mem::take(&mut ops), waiting, results);
+                ops_bytes = 0;
+            }
+        }
+        submitted
     }
 
     /// Submits `ops`; returns how many the engine took (a refused group fails its items).
