@@ -133,7 +133,7 @@ impl SimReport {
     }
 
     /// Prompt tokens served without compute the first time: from the GPU prefix cache or loaded
-    /// by kvtier. Never more than the workload's own prefix reuse allows.
+    /// by kvtier. Within `prompt_tokens_reusable` (see there for the one exception).
     pub fn prompt_tokens_hit(&self) -> u64 {
         self.prompt_tokens_gpu_cached + self.prompt_tokens_loaded
     }

@@ -120,14 +120,24 @@ pub struct ModelChoice {
     pub load_bytes_per_s: f64,
 }
 
+impl Default for ModelChoice {
+    /// No model, no size: the caller's fallback size, with the default assumptions.
+    fn default() -> Self {
+        Self {
+            preset: None,
+            kv_bytes_per_token: None,
+            prefill_flops: PREFILL_FLOPS_DEFAULT,
+            load_bytes_per_s: LOAD_BYTES_PER_S_DEFAULT,
+        }
+    }
+}
+
 impl ModelChoice {
     /// A preset with the default assumptions.
     pub fn preset(preset: ModelPreset) -> Self {
         Self {
             preset: Some(preset),
-            kv_bytes_per_token: None,
-            prefill_flops: PREFILL_FLOPS_DEFAULT,
-            load_bytes_per_s: LOAD_BYTES_PER_S_DEFAULT,
+            ..Self::default()
         }
     }
 

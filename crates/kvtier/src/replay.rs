@@ -9,7 +9,7 @@ use connector::config::ConnectorConfig;
 use engine_sim::trace::{self, TraceOptions};
 
 use crate::instance::{self, EngineShape, RunReport};
-use crate::model::{ModelChoice, LOAD_BYTES_PER_S_DEFAULT, PREFILL_FLOPS_DEFAULT};
+use crate::model::ModelChoice;
 use crate::run::TempDir;
 
 /// KV bytes per token without `--model` or `--kv-bytes-per-token` (small, so that a whole trace
@@ -68,12 +68,7 @@ impl ReplaySpec {
             cpu_bytes: 1 << 30,
             fs_dir: None,
             fs_bytes: 8 << 30,
-            model: ModelChoice {
-                preset: None,
-                kv_bytes_per_token: None,
-                prefill_flops: PREFILL_FLOPS_DEFAULT,
-                load_bytes_per_s: LOAD_BYTES_PER_S_DEFAULT,
-            },
+            model: ModelChoice::default(),
             tokens_per_block: 16,
             blocks_per_chunk: 4,
             eviction_policy: "lru".into(),
