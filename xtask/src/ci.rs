@@ -21,6 +21,13 @@ pub enum Action {
     },
     /// Run the layering check ([`layering::check_workspace`]) in-process.
     Layering,
+    /// Run a program (a script of the repository) with these arguments, from the root.
+    Program {
+        /// The program, relative to the workspace root.
+        program: String,
+        /// Its arguments.
+        args: Vec<String>,
+    },
 }
 
 impl fmt::Display for Action {
@@ -34,6 +41,13 @@ impl fmt::Display for Action {
             }
             Action::Layering => {
                 f.write_str("layering check (cargo metadata + offload-core sources)")
+            }
+            Action::Program { program, args } => {
+                f.write_str(program)?;
+                for arg in args {
+                    write!(f, " {arg}")?;
+                }
+                Ok(())
             }
         }
     }
@@ -101,7 +115,20 @@ pub fn steps(root: &Path, features: &Selection, test_args: &[String]) -> Vec<Ste
             action: Action::Layering,
         },
         crate::sim::ci_step(root),
+        python_step(),
     ]
+}
+
+/// The Python package: the extension crate's fmt and clippy, then its pytest suite against
+/// vLLM's real classes (`crates/kvtier-py/run_tests.sh` sets up its environment).
+pub fn python_step() -> Step {
+    Step {
+        name: "python",
+        action: Action::Program {
+            program: "crates/kvtier-py/run_tests.sh".to_string(),
+            args: Vec::new(),
+        },
+    }
 }
 
 /// How a step ended.
@@ -131,6 +158,19 @@ fn run_action(root: &Path, action: &Action) -> Result<(), String> {
                 Some(code) => format!("exit status {code}"),
                 None => format!("{status} (killed by a signal)"),
             })
+        }
+        Action::Program { program, args } => {
+            let status = Command::new("bash")
+                .arg(root.join(program))
+                .args(args)
+                .current_dir(root)
+                .status()
+                .map_err(|err| format!("cannot start {program}: {err}"))?;
+            if status.success() {
+                Ok(())
+            } else {
+                Err(format!("{program}: {status}"))
+            }
         }
         Action::Layering => {
             let report = layering::check_workspace(root).map_err(|err| err.to_string())?;
@@ -282,7 +322,10 @@ mod tests {
         };
         let steps = steps(&root, &all, &strings(&["--no-fail-fast"]));
         let names: Vec<&str> = steps.iter().map(|step| step.name).collect();
-        assert_eq!(names, ["fmt", "clippy", "test", "doc", "layering", "sim"]);
+        assert_eq!(
+            names,
+            ["fmt", "clippy", "test", "doc", "layering", "sim", "python"]
+        );
         assert_eq!(steps[0].action.to_string(), "cargo fmt --all -- --check");
         let clippy = steps[1].action.to_string();
         assert!(clippy.starts_with("cargo clippy --workspace --all-targets"));
@@ -293,6 +336,7 @@ mod tests {
         let doc = steps[3].action.to_string();
         assert!(doc.contains("-D warnings'") && doc.contains("cargo doc --workspace --no-deps"));
         assert_eq!(steps[4].action, Action::Layering);
+        assert_eq!(steps[6].action.to_string(), "crates/kvtier-py/run_tests.sh");
     }
 
     #[test]

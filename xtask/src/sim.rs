@@ -74,7 +74,7 @@ pub fn main(args: &[String]) -> Result<bool, Error> {
         }
         match ci_step(&root).action {
             Action::Cargo { args, .. } => args,
-            Action::Layering => unreachable!("the sim step runs cargo"),
+            Action::Layering | Action::Program { .. } => unreachable!("the sim step runs cargo"),
         }
     } else {
         cargo_args(args, false)

@@ -285,6 +285,14 @@ enum Failure {
 }
 
 fn main() -> ExitCode {
+    // The tiers log through `tracing`: warnings and errors to stderr unless KVTIER_LOG says more
+    // or less (for example KVTIER_LOG=debug or KVTIER_LOG=off).
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVTIER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

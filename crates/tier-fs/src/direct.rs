@@ -20,7 +20,7 @@ const FILE_MODE: u32 = 0o644;
 pub(crate) fn warn(stats: &StatsCell, quiet: bool, message: &str) {
     add(&stats.warnings, 1);
     if !quiet {
-        eprintln!("kvtier tier-fs: warning: {message}");
+        tracing::warn!(target: "kvtier::tier_fs", "{message}");
     }
 }
 

@@ -32,9 +32,9 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Writes one log line to standard error.
+/// Logs one warning (target `kvtier::tier_p2p`) through `tracing`.
 pub(crate) fn log(message: impl Display) {
-    eprintln!("kvtier tier-p2p: {message}");
+    tracing::warn!(target: "kvtier::tier_p2p", "{message}");
 }
 
 /// Starts a named thread.

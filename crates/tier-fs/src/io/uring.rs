@@ -271,11 +271,10 @@ impl Drop for UringEngine {
                     // which will be reused or freed after we return, so that is a memory-safety
                     // break (design.md section 4): abort rather than let the kernel write into it.
                     if self.slots.iter().flatten().any(|op| op.span.is_some()) {
-                        eprintln!(
-                            "tier-fs: io_uring_enter failed ({err}) with zero-copy operations in \
-                             the kernel; aborting, since their host slots cannot be handed back"
-                        );
-                        std::process::abort();
+                        broken_invariant(&format!(
+                            "io_uring_enter failed ({err}) with zero-copy operations in the \
+                             kernel; their host slots cannot be handed back"
+                        ));
                     }
                     for op in self.slots.drain(..).flatten() {
                         std::mem::forget(op);
@@ -381,6 +380,8 @@ fn enter_error(what: &str, err: &io::Error) -> io::Error {
 /// A memory-safety invariant is broken (design.md section 4): abort, never unwind past buffers
 /// the kernel may still write.
 fn broken_invariant(message: &str) -> ! {
+    tracing::error!(target: "kvtier::tier_fs", "broken invariant: {message}; aborting");
+    // Also straight to stderr: the process ends next, and a logger may never get to write.
     eprintln!("kvtier tier-fs: broken invariant: {message}");
     std::process::abort()
 }

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The Python package's checks, run by `cargo xtask ci` (step "python"): rustfmt and clippy of the
+# extension crate, then a venv with vLLM, the package built and installed with pip (maturin), and
+# its pytest suite against vLLM's real classes.
+#
+# The venv lives in target/kvtier-py-venv and is reused; the first run installs vLLM (about 10 GB,
+# 5-6 minutes here). KVTIER_PYTHON=/path/to/python uses an existing environment instead.
+# KVTIER_SKIP_VLLM=1 skips installing vLLM: the vLLM tests then say "vLLM tests NOT RUN" and why
+# (never in CI, where KVTIER_REQUIRE_VLLM=1 makes them fail instead).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+VLLM_VERSION=0.33.0
+
+echo "==> kvtier-py: rustfmt and clippy"
+cargo fmt --manifest-path "$here/Cargo.toml" -- --check
+cargo clippy --manifest-path "$here/Cargo.toml" --locked -- -D warnings
+
+if [[ -n "${KVTIER_PYTHON:-}" ]]; then
+    py=$KVTIER_PYTHON
+else
+    venv="$root/target/kvtier-py-venv"
+    if [[ ! -x "$venv/bin/python" ]]; then
+        echo "==> creating $venv"
+        python3 -m venv "$venv" || {
+            echo "ERROR: python3 -m venv failed; install python3-venv (Debian) or set KVTIER_PYTHON" >&2
+            exit 1
+        }
+    fi
+    py="$venv/bin/python"
+fi
+"$py" -m pip --version >/dev/null || { echo "ERROR: $py has no pip" >&2; exit 1; }
+
+if [[ "${KVTIER_SKIP_VLLM:-0}" != 1 ]] && ! "$py" -c "import vllm" 2>/dev/null; then
+    echo "==> installing vllm==$VLLM_VERSION into $py (first run only: several GB)"
+    "$py" -m pip install -q "vllm==$VLLM_VERSION"
+fi
+echo "==> building and installing kvtier (pip install ./crates/kvtier-py)"
+"$py" -m pip install -q "$here[test]"
+
+if [[ "${CI:-}" == true ]]; then
+    export KVTIER_REQUIRE_VLLM=1
+fi
+echo "==> pytest"
+cd "$here"
+"$py" -m pytest -q -p no:cacheprovider tests

@@ -1,0 +1,95 @@
+"""kvtier.tiers.TierCore over a real native fs tier and a plain bytearray buffer, without vLLM:
+jobs finish exactly once, bytes come back as stored, a missing key fails only itself, and bad
+input is refused with its reason."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from kvtier import Tier
+from kvtier.tiers import PrimaryBuffer, TierCore
+
+SLOT = 8192
+SLOTS = 16
+
+
+def make_core(tmp_path):
+    buf = bytearray(SLOT * SLOTS)
+    view = memoryview(buf).cast("B", (SLOTS, SLOT))
+    pb = PrimaryBuffer.of(view)
+    settings = {
+        "root_dir": str(tmp_path),
+        "capacity_bytes": 32 << 20,
+        "model": "m",
+        "dtype": "bf16",
+        "tokens_per_chunk": 16,
+        "parallel_layout": "tp1",
+    }
+    tier = Tier.fs(pb.owner, pb.address, pb.slot_bytes, pb.slot_count, settings)
+    return TierCore(tier, pb), buf
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() + (0).to_bytes(4, "big")
+
+
+def content(i: int) -> bytes:
+    return hashlib.sha256(b"c%d" % i).digest() * (SLOT // 32)
+
+
+def wait(core: TierCore, n: int):
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < n:
+        got += core.poll()
+        assert time.monotonic() < deadline, "jobs did not finish"
+        time.sleep(0.001)
+    return got
+
+
+def test_store_then_load_moves_the_exact_bytes(tmp_path):
+    core, buf = make_core(tmp_path)
+    for s in range(4):
+        buf[s * SLOT : (s + 1) * SLOT] = content(s)
+    core.submit(1, "store", [key(s) for s in range(4)], [0, 1, 2, 3], "r")
+    (done,) = wait(core, 1)
+    assert done.job_id == 1 and done.success and done.bytes == 4 * SLOT
+    assert all(core.lookup(key(s)) == 1 for s in range(4))
+    assert core.lookup(key(99)) == 0
+    buf[:] = bytes(len(buf))
+    # Load key 2 and a missing key into other slots: the missing one fails alone.
+    core.submit(2, "load", [key(2), key(99)], [10, 11], "r")
+    (done,) = wait(core, 1)
+    assert done.is_load and done.failed == (1,)
+    assert bytes(buf[10 * SLOT : 11 * SLOT]) == content(2)
+    assert core.poll() == []  # exactly once
+    core.request_finished("r")
+    core.shutdown()
+
+
+def test_bad_jobs_are_refused_with_the_reason(tmp_path):
+    core, _ = make_core(tmp_path)
+    with pytest.raises(ValueError, match="outside the primary buffer"):
+        core.submit(1, "store", [key(0)], [SLOTS], None)
+    with pytest.raises(ValueError, match="2 keys but 1 slots"):
+        core.submit(2, "store", [key(0), key(1)], [0], None)
+    with pytest.raises(ValueError, match="expected \"store\" or \"load\""):
+        core.tier.submit(3, "copy", [key(0)], [0], None)
+    core.submit(4, "store", [key(0)], [0], None)
+    with pytest.raises(ValueError, match="already in flight"):
+        core.submit(4, "store", [key(1)], [1], None)
+    wait(core, 1)
+    core.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        core.tier.submit(5, "store", [key(0)], [0], None)
+
+
+def test_buffer_checks():
+    with pytest.raises(ValueError, match="read-only"):
+        PrimaryBuffer.of(memoryview(bytes(4096)))
+    view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
+    pb = PrimaryBuffer.of(view)
+    assert (pb.slot_count, pb.slot_bytes) == (4, 4096)
