@@ -93,3 +93,41 @@ def test_buffer_checks():
     view = memoryview(bytearray(4 * 4096)).cast("B", (4, 4096))
     pb = PrimaryBuffer.of(view)
     assert (pb.slot_count, pb.slot_bytes) == (4, 4096)
+
+
+def test_rust_warnings_reach_python_logging_once_per_window(caplog):
+    """tier-p2p logs a warning through `tracing` when a peer cannot be reached; kvtier hands it
+    to Python's logging (logger kvtier.tier_p2p), and identical repeats within the window are
+    dropped."""
+    import logging
+    import socket
+
+    # A port nothing listens on.
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = "127.0.0.1:%d" % s.getsockname()[1]
+    s.close()
+    caplog.set_level(logging.DEBUG)
+    buf = bytearray(4096 * 4)
+    pb = PrimaryBuffer.of(memoryview(buf).cast("B", (4, 4096)))
+    tier = Tier.p2p(
+        pb.owner, pb.address, pb.slot_bytes, pb.slot_count,
+        {"model": "m", "layout": "l", "hash_seed": 0, "peers": [dead],
+         "lookup_deadline_s": 0.05},
+    )
+    core = TierCore(tier, pb)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for i in range(8):
+            core.lookup(key(i))
+        core.poll()  # the peer worker asks its peers at each poll
+        if any(r.name.startswith("kvtier.tier_p2p") for r in caplog.records):
+            break
+        time.sleep(0.02)
+    core.shutdown()
+    rust = [r for r in caplog.records if r.name.startswith("kvtier.tier_p2p")]
+    assert rust, [(r.name, r.getMessage()) for r in caplog.records]
+    assert all(r.levelno == logging.WARNING for r in rust)
+    assert any("marked down" in r.getMessage() and dead in r.getMessage() for r in rust)
+    texts = [r.getMessage() for r in rust]
+    assert len(texts) == len(set(texts)), f"repeats were not suppressed: {texts}"
