@@ -533,6 +533,20 @@ impl PyTier {
         });
     }
 
+    /// Chunks that left the tier since the last call (evicted, or dropped as unreadable), as
+    /// `(hash, group)` chunk keys, oldest first, and how many removals went unreported because
+    /// too many waited. Only the fs tier evicts by itself; the p2p tier reports none.
+    fn take_removed(&self) -> (Vec<(u64, u32)>, u64) {
+        match &lock(&self.state).tier {
+            Inner::Fs(t) => {
+                let mut keys = Vec::new();
+                let lost = t.take_removed(&mut keys);
+                (keys.iter().map(|k| (k.hash, k.group)).collect(), lost)
+            }
+            Inner::P2p(_) => (Vec::new(), 0),
+        }
+    }
+
     /// The tier's counters as a dict (ints, and the fs engine's name).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);

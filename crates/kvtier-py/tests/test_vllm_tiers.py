@@ -234,3 +234,27 @@ def test_lookup_overhead_is_measured(engines, tmp_path, capsys):
     per = (time.perf_counter() - t0) / (20 * len(keys))
     assert per > 0
     print(f"kvtier fs lookup from Python: {per * 1e6:.2f} us per chunk")
+
+
+def test_fs_evictions_are_published_as_removed_events(engines, tmp_path):
+    """A small disk tier evicts; every chunk it evicted comes out of vLLM's event stream as a
+    Removed event of the STORAGE medium, and no chunk it still holds does."""
+    e = engines([fs_entry(tmp_path, capacity_bytes="512KiB", enable_kv_events=True)])
+    stored = []
+    for r in range(6):
+        keys = prefix_keys(f"evict-{r}", 10)
+        c = e.ctx(f"e{r}")
+        e.store(c, keys)
+        e.settle()
+        stored += keys
+    with e.manager.lock:
+        events = list(e.manager.take_events())
+    removed = [k for ev in events if ev.removed and ev.medium.name == "STORAGE" for k in ev.keys]
+    stats = e.tiers[0].native_stats()
+    assert stats["evictions"] > 0, stats
+    assert len(removed) == stats["evictions"] == len(set(removed))
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    ctx = ReqContext(req_id="probe")
+    gone = {k for k in stored if e.tiers[0].lookup(k, ctx) is LookupResult.MISS}
+    assert set(removed) == gone

@@ -8,7 +8,7 @@
 //! `used_bytes + reserved_bytes` stays at or under `capacity_bytes` (except after a scan or a probe
 //! found more than fits, until the next eviction).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -86,7 +86,15 @@ pub struct Index {
     used_bytes: u64,
     reserved_bytes: u64,
     capacity_bytes: u64,
+    /// Keys that left the index (evicted with their segment, or dropped as unreadable) and that
+    /// [`Index::take_removed`] has not handed out yet; at most [`REMOVED_KEPT_MAX`].
+    removed: VecDeque<ChunkKey>,
+    /// Removed keys dropped from `removed` because it was full.
+    removed_overflow: u64,
 }
+
+/// The most removed keys kept for [`Index::take_removed`] (the oldest go first beyond it).
+pub const REMOVED_KEPT_MAX: usize = 1 << 16;
 
 impl Index {
     /// An empty index limited to `capacity_bytes`.
@@ -100,7 +108,24 @@ impl Index {
             used_bytes: 0,
             reserved_bytes: 0,
             capacity_bytes,
+            removed: VecDeque::new(),
+            removed_overflow: 0,
         }
+    }
+
+    fn note_removed(&mut self, key: ChunkKey) {
+        if self.removed.len() == REMOVED_KEPT_MAX {
+            self.removed.pop_front();
+            self.removed_overflow += 1;
+        }
+        self.removed.push_back(key);
+    }
+
+    /// Moves the keys removed since the last call into `out` (oldest first); returns how many
+    /// removals were dropped unreported because more than [`REMOVED_KEPT_MAX`] waited.
+    pub fn take_removed(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        out.extend(self.removed.drain(..));
+        std::mem::take(&mut self.removed_overflow)
     }
 
     /// Chunks indexed.
@@ -261,6 +286,7 @@ impl Index {
     pub fn remove(&mut self, key: ChunkKey) -> Option<Location> {
         let location = self.location(key)?;
         self.chunks.remove(&key);
+        self.note_removed(key);
         Some(location)
     }
 
@@ -292,6 +318,7 @@ impl Index {
             if self.chunks.get(key).is_some_and(|c| c.segment == segment) {
                 self.chunks.remove(key);
                 chunks += 1;
+                self.note_removed(*key);
             }
         }
         Some(Victim {

@@ -268,6 +268,14 @@ impl FsTier {
         self.shared.index().keys_by_age()
     }
 
+    /// Moves the keys that left the tier since the last call (evicted with their segment, or
+    /// dropped as unreadable) into `out`, oldest first, so an engine can publish their removal.
+    /// Returns how many removals were dropped unreported because more than
+    /// [`index::REMOVED_KEPT_MAX`](crate::index::REMOVED_KEPT_MAX) waited.
+    pub fn take_removed(&self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.shared.index().take_removed(out)
+    }
+
     /// Checks a job against the host pool and the jobs in flight.
     fn check(&self, job: &TierJob) -> Result<(), SubmitError> {
         if self.in_flight.contains_key(&job.id) {

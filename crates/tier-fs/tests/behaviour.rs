@@ -196,6 +196,17 @@ fn capacity_evicts_least_recently_used(engine: EngineChoice) {
     for n in 9..14 {
         assert_eq!(rig.lookup(key(n)), TierLookup::Hit, "key {n}");
     }
+    // Every evicted key is reported once, oldest first: key(1) first, then 2..=4, 0, 5..=8.
+    let mut removed = Vec::new();
+    assert_eq!(rig.tier.take_removed(&mut removed), 0);
+    let expected: Vec<_> = [1, 2, 3, 4, 0, 5, 6, 7, 8].map(key).to_vec();
+    assert_eq!(removed, expected);
+    for k in &removed {
+        assert_eq!(rig.lookup(*k), TierLookup::Miss);
+    }
+    removed.clear();
+    assert_eq!(rig.tier.take_removed(&mut removed), 0);
+    assert!(removed.is_empty(), "reported twice: {removed:?}");
     // A multi-chunk job larger than the limit keeps what fits and fails the rest.
     let big: Vec<_> = (20..27)
         .map(|n| (key(n), (n - 20) as u32, FULL, n))

@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from .. import config as kvconfig
-from .._kvtier import Tier
+from .._kvtier import Tier, offload_key_to_chunk_key
 from ..tiers import PrimaryBuffer, TierCore
 
 __all__ = ["KvtierFsTier", "KvtierP2pTier"]
@@ -100,6 +100,10 @@ class _KvtierTier(SecondaryTierManager):
         self._core = TierCore(tier, buffer)
         self._events_on = bool(enable_kv_events)
         self._events: list[OffloadingEvent] = []
+        # With events on: the offload key of each chunk this instance stored, by chunk key, so an
+        # eviction (reported by chunk key) can be published under vLLM's key. Chunks found on
+        # disk at start were never announced by this instance, so their removal is not either.
+        self._stored: dict[tuple[int, int], bytes] = {}
 
     # -- lookups and recency -----------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -137,6 +141,8 @@ class _KvtierTier(SecondaryTierManager):
             if not f.is_load and self._events_on:
                 failed = set(f.failed)
                 stored = [k for i, k in enumerate(f.keys) if i not in failed]
+                for k in stored:
+                    self._stored[offload_key_to_chunk_key(k)] = k
                 if stored:
                     self._events.append(
                         OffloadingEvent(keys=stored, medium=self.medium, removed=False)
@@ -166,6 +172,15 @@ class _KvtierTier(SecondaryTierManager):
         self._core.request_finished(req_context.req_id)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events_on:
+            gone, lost = self._core.tier.take_removed()
+            removed = [k for k in (self._stored.pop(g, None) for g in gone) if k is not None]
+            if removed:
+                self._events.append(
+                    OffloadingEvent(keys=removed, medium=self.medium, removed=True)
+                )
+            if lost:
+                logger.warning("kvtier: %d chunk removals went unreported (too many waited)", lost)
         out, self._events = self._events, []
         return out
 
