@@ -185,8 +185,9 @@ pub struct ConnectorConfig {
     /// `"lru"` (default) or `"arc"`.
     #[serde(default)]
     pub eviction_policy: EvictionName,
-    /// Offload only the prompt's KV (default false).
-    #[serde(default)]
+    /// Offload only the prompt's KV (default true, as in vLLM's offloading connector: a decode's
+    /// KV is rarely a later request's prefix; set false to offload it too).
+    #[serde(default = "yes")]
     pub offload_prompt_only: bool,
     /// `"block"` (default) or `"request"`.
     #[serde(default)]

@@ -157,7 +157,7 @@ impl Metrics {
                 "kvtier_chunks_total{{tier=\"{tier}\",direction=\"{dir}\",result=\"{result}\"}} {v}"
             );
         }
-        let singles: [(&str, &str, &str, u64); 10] = [
+        let singles: [(&str, &str, &str, u64); 11] = [
             (
                 "kvtier_allocation_failures_total",
                 "counter",
@@ -183,6 +183,12 @@ impl Metrics {
                 self.scheduler.invariant_failures
                     + self.host.invariant_failures
                     + self.tiering.invariant_failures,
+            ),
+            (
+                "kvtier_requests_disabled_total",
+                "counter",
+                "Requests whose offload was switched off after a broken invariant about them.",
+                self.scheduler.requests_disabled,
             ),
             (
                 "kvtier_requests_finalized_total",

@@ -200,3 +200,18 @@ fn a_resolved_config_starts_its_disk_tier() {
         Err(ConfigError::Invalid { key, .. }) if key == "cpu_bytes_to_use"
     ));
 }
+
+#[test]
+fn offload_prompt_only_defaults_to_vllms_true() {
+    let parse = |extra: &str| {
+        ConnectorConfig::from_toml_str(&format!(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\n{extra}"
+        ))
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid")
+        .scheduler
+        .offload_prompt_only
+    };
+    assert!(parse(""));
+    assert!(!parse("offload_prompt_only = false"));
+}

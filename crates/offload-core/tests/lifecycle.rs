@@ -700,3 +700,60 @@ fn failed_load_is_reported_for_recompute() {
     // The chunks stay readable for the next lookup: the pins were released.
     assert_eq!(s.manager().pool.ref_count(ChunkKey::new(h[1], 0)), Some(0));
 }
+
+#[test]
+fn release_mode_disables_a_broken_request_and_goes_on() {
+    // Design.md section 4, last paragraph: outside strict mode, a broken invariant about one
+    // request switches that request's offload off (counted); other requests go on offloading.
+    let mut s = Scheduler::new(
+        SchedulerConfig {
+            strict: false,
+            ..config(1)
+        },
+        Logged::new(16),
+    )
+    .expect("valid scheduler config");
+    for id in [20, 21] {
+        s.on_new_request(NewRequest {
+            id: RequestId(id),
+            prompt_tokens: 32,
+            max_offload_tokens: None,
+        });
+    }
+    // The engine claims 8 external tokens for request 20 that were never matched.
+    let t20 = blocks(0..8);
+    s.update_state_after_alloc(RequestId(20), &t20, 8);
+    assert_eq!(s.stats().invariant_failures, 1);
+    assert_eq!(s.stats().requests_disabled, 1);
+    let (h20, h21) = (hashes(20, 8), hashes(21, 8));
+    let t21 = blocks(8..16);
+    let reqs = [prefill(20, 32, &t20, &h20), prefill(21, 32, &t21, &h21)];
+    let meta = s.build_connector_meta(&step_one(1, &reqs, &[]));
+    assert!(meta.loads.is_empty());
+    let stored: Vec<RequestId> = meta.stores.iter().map(|j| j.request).collect();
+    assert!(!stored.is_empty(), "request 21 still offloads");
+    assert!(
+        stored.iter().all(|&r| r == RequestId(21)),
+        "disabled request 20 stored: {stored:?}"
+    );
+    // Its lookups answer nothing to load, and it still finishes and is released.
+    assert_eq!(
+        s.get_num_new_matched_tokens(RequestId(20), 32, &h20, 0),
+        MatchResult::Tokens(0)
+    );
+    let keep = s.request_finished(&FinishedRequest {
+        id: RequestId(20),
+        kind: FinishKind::Finished,
+        num_tokens: 33,
+        num_computed_tokens: 32,
+        block_hashes: &h20,
+    });
+    assert!(
+        !keep,
+        "nothing of request 20 is stored, so nothing holds its blocks"
+    );
+    let meta2 = s.build_connector_meta(&step_one(2, &[], &[]));
+    assert!(meta2.stores.iter().all(|j| j.request != RequestId(20)));
+    assert!(meta2.finished.contains(&RequestId(20)));
+    assert_eq!(s.stats().requests_disabled, 1, "counted once");
+}

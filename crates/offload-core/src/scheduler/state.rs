@@ -43,6 +43,9 @@ pub struct SchedulerStats {
     pub invariant_failures: u64,
     /// Requests not tracked because the table was full.
     pub requests_untracked: u64,
+    /// Live requests whose offload was switched off after a broken invariant about them
+    /// (non-strict mode): no more stores or loads for them; the engine recomputes.
+    pub requests_disabled: u64,
 }
 
 /// One job in flight, as the scheduler remembers it until every worker acknowledged it.
@@ -255,9 +258,10 @@ impl<M: OffloadManager> Scheduler<M> {
         let config = self.config;
         let Some(Tracked::Live(req)) = self.requests.get_mut(&id) else {
             if num_external_tokens > 0 {
-                self.broken(format_args!(
-                    "load for untracked or finished request {id:?}"
-                ));
+                self.broken_for(
+                    id,
+                    format_args!("load for untracked or finished request {id:?}"),
+                );
             }
             return;
         };
@@ -266,15 +270,20 @@ impl<M: OffloadManager> Scheduler<M> {
             return;
         }
         let Some(matched) = matched.filter(|m| m.tokens >= num_external_tokens) else {
-            self.broken(format_args!(
-                "request {id:?} takes {num_external_tokens} external tokens that were not matched"
-            ));
+            self.broken_for(
+                id,
+                format_args!(
+                    "request {id:?} takes {num_external_tokens} external tokens that were not \
+                     matched"
+                ),
+            );
             return;
         };
         if req.has_jobs() || num_external_tokens % config.tokens_per_block != 0 {
-            self.broken(format_args!(
-                "load for request {id:?}: jobs in flight or unaligned token count"
-            ));
+            self.broken_for(
+                id,
+                format_args!("load for request {id:?}: jobs in flight or unaligned token count"),
+            );
             return;
         }
         let tpb = config.tokens_per_block;
@@ -282,10 +291,13 @@ impl<M: OffloadManager> Scheduler<M> {
         let first_block = matched.computed_tokens / tpb;
         let end_block = first_block + num_external_tokens / tpb;
         if block_ids.len() < end_block as usize {
-            self.broken(format_args!(
-                "request {id:?} allocated {} blocks, load needs {end_block}",
-                block_ids.len()
-            ));
+            self.broken_for(
+                id,
+                format_args!(
+                    "request {id:?} allocated {} blocks, load needs {end_block}",
+                    block_ids.len()
+                ),
+            );
             return;
         }
         self.scratch_keys.clear();
@@ -516,9 +528,10 @@ impl<M: OffloadManager> Scheduler<M> {
             return;
         };
         if req.finish.is_some() || req.load_job.is_some() {
-            self.broken(format_args!(
-                "preempted request {id:?} is finished or loading"
-            ));
+            self.broken_for(
+                id,
+                format_args!("preempted request {id:?} is finished or loading"),
+            );
             return;
         }
         req.block_ids.clear();
@@ -564,9 +577,10 @@ impl<M: OffloadManager> Scheduler<M> {
             return;
         };
         if req.finish.is_some() || req.load_job.is_some() {
-            self.broken(format_args!(
-                "request {id:?} scheduled while finished or loading"
-            ));
+            self.broken_for(
+                id,
+                format_args!("request {id:?} scheduled while finished or loading"),
+            );
             return;
         }
         if scheduled.replace_blocks {
@@ -762,6 +776,22 @@ impl<M: OffloadManager> Scheduler<M> {
     fn broken(&mut self, what: std::fmt::Arguments<'_>) {
         self.stats.invariant_failures += 1;
         invariant::broken(self.config.strict, what);
+    }
+
+    /// A broken invariant about request `id` (design.md section 4, last paragraph): panics in
+    /// strict mode; otherwise counts it and, if the request is live, switches its offload off
+    /// (no more loads or stores for it; its jobs in flight still complete), so that a request
+    /// whose state is not trusted never moves KV again.
+    #[track_caller]
+    fn broken_for(&mut self, id: RequestId, what: std::fmt::Arguments<'_>) {
+        self.broken(what);
+        if let Some(Tracked::Live(req)) = self.requests.get_mut(&id) {
+            if !req.disabled {
+                req.disabled = true;
+                req.matched = None;
+                self.stats.requests_disabled += 1;
+            }
+        }
     }
 
     /// Cross-checks the request table, the job table and the fences (strict mode only: it walks
