@@ -13,8 +13,8 @@ use crate::io::AlignedBuf;
 use crate::layout::Layout;
 use crate::stats::{add, StatsCell};
 
-/// Permission bits of new segment files.
-const FILE_MODE: u32 = 0o644;
+/// Permission bits of new segment files: the owner only (KV bytes can reveal prompts).
+pub(crate) const FILE_MODE: u32 = 0o600;
 
 /// Prints a warning (unless `quiet`) and counts it.
 pub(crate) fn warn(stats: &StatsCell, quiet: bool, message: &str) {

@@ -6,6 +6,7 @@
 
 use std::fs;
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -19,6 +20,9 @@ pub const NAMESPACE_FILE: &str = "namespace.json";
 pub const TMP_SUFFIX: &str = ".tmp";
 /// The suffix of every segment file.
 pub const SEGMENT_SUFFIX: &str = ".seg";
+/// The lock file of a namespace directory: held exclusively by a tier in a private directory,
+/// shared by the tiers of a shared one, so a private tier never runs beside another tier there.
+pub const LOCK_FILE: &str = "lock";
 
 /// Process-wide counter that makes temporary names and instance ids unique (with the process id).
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -138,6 +142,7 @@ fn write_namespace_file(layout: &Layout, ns: &NamespaceId) -> Result<(), FsError
         let mut file = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(crate::direct::FILE_MODE)
             .open(&temp)
             .map_err(|e| FsError::io("create", &temp, 0, e))?;
         file.write_all(namespace_text(ns).as_bytes())

@@ -5,7 +5,9 @@
 //! each of them owns one I/O engine (see the `worker` module).
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::fs;
+use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -54,6 +56,8 @@ pub struct FsTier {
     workers: Vec<JoinHandle<()>>,
     prober: Option<Prober>,
     shut_down: bool,
+    /// Holds the namespace directory's lock (see `prepare_dirs`) until the tier shuts down.
+    dir_lock: Option<File>,
 }
 
 impl std::fmt::Debug for FsTier {
@@ -112,10 +116,51 @@ fn create_engines(
         .collect()
 }
 
-/// Creates the namespace directory and its config file.
-fn prepare_dirs(layout: &Layout, config: &FsTierConfig) -> Result<(), FsError> {
-    fs::create_dir_all(layout.dir()).map_err(|e| FsError::io("mkdir", layout.dir(), 0, e))?;
-    write_or_check_namespace_file(layout, &config.namespace)
+/// Creates the namespace directory (owner-only permissions) and its config file, and takes the
+/// directory's lock: exclusive in a private directory, shared in a shared one. The lock lasts
+/// as long as the returned file is open (flock; released by the kernel if the process dies).
+fn prepare_dirs(layout: &Layout, config: &FsTierConfig) -> Result<File, FsError> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(layout.dir())
+        .map_err(|e| FsError::io("mkdir", layout.dir(), 0, e))?;
+    let path = layout.dir().join(crate::layout::LOCK_FILE);
+    let lock = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(crate::direct::FILE_MODE)
+        .open(&path)
+        .map_err(|e| FsError::io("open", &path, 0, e))?;
+    let how = if config.shared_dir {
+        libc::LOCK_SH
+    } else {
+        libc::LOCK_EX
+    };
+    // SAFETY: flock on a file descriptor we own; no memory is involved.
+    if unsafe { libc::flock(lock.as_raw_fd(), how | libc::LOCK_NB) } != 0 {
+        let error = std::io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(FsError::Config {
+                field: "root_dir",
+                reason: format!(
+                    "namespace directory {} is in use by another tier instance{}; give each \
+                     instance its own root_dir, or set shared_dir on all of them",
+                    layout.dir().display(),
+                    if config.shared_dir {
+                        " in a private (exclusive) mode"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        return Err(FsError::io("flock", &path, 0, error));
+    }
+    write_or_check_namespace_file(layout, &config.namespace)?;
+    Ok(lock)
 }
 
 /// The bytes after which a segment takes no further record: `segment_bytes_max`, but small
@@ -136,7 +181,7 @@ impl FsTier {
     pub fn start(config: FsTierConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, FsError> {
         config.validate()?;
         let layout = Layout::new(&config.root_dir, &config.namespace);
-        prepare_dirs(&layout, &config)?;
+        let dir_lock = prepare_dirs(&layout, &config)?;
         let instance = new_instance_id();
         let shared = Arc::new(Shared::new(config.capacity_bytes, &config.faults, instance));
         let direct = config.direct_io && detect_direct(&layout, &config, &shared.stats)?;
@@ -221,6 +266,7 @@ impl FsTier {
             workers,
             prober,
             shut_down: false,
+            dir_lock: Some(dir_lock),
         })
     }
 
@@ -487,6 +533,8 @@ impl Tier for FsTier {
         }
         self.drain();
         self.stop_worker();
+        // Nothing touches the directory any more: another instance may take it now.
+        self.dir_lock = None;
     }
 }
 

@@ -5,9 +5,10 @@
 mod common;
 
 use std::fs;
+use std::sync::Arc;
 
 use common::*;
-use offload_core::tier::{Tier, TierLookup};
+use offload_core::tier::{SlotMemory, Tier, TierLookup};
 use tier_fs::{
     EngineChoice, FailureKind, Fault, FaultPlan, FaultRule, FaultSite, FsError, FsTier,
     FsTierConfig,
@@ -626,4 +627,55 @@ fn shared_directory_probe_finds_chunks_of_another_instance() {
     // A segment that other instances read while it grows is never preallocated (a probe could
     // see a record's header before its payload).
     assert_eq!(writer.tier.stats().bytes_preallocated, 0);
+}
+
+/// KV bytes can reveal prompts: the namespace directory is the owner's alone (0700, files 0600),
+/// and two tiers never run over one private directory (the second is refused with a reason until
+/// the first shuts down); shared tiers share it, but not with a private one.
+#[test]
+fn namespace_directory_is_private_and_locked() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut first = Rig::start(config(dir.path(), EngineChoice::Sync));
+    assert!(first.store(&four_chunks()).is_success());
+    let ns = first.tier.namespace_dir().to_path_buf();
+    let mode = |p: &std::path::Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&ns), 0o700, "namespace directory");
+    let files: Vec<_> = fs::read_dir(&ns)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(files
+        .iter()
+        .any(|p| p.extension().is_some_and(|e| e == "seg")));
+    for f in &files {
+        assert_eq!(mode(f), 0o600, "{f:?}");
+    }
+    let memory: Arc<dyn SlotMemory> = Arc::new(tier_testkit::VecSlotMemory::new(4, SLOT_BYTES));
+    let refused = |shared: bool| {
+        let c = FsTierConfig {
+            shared_dir: shared,
+            ..config(dir.path(), EngineChoice::Sync)
+        };
+        match FsTier::start(c, Arc::clone(&memory)) {
+            Ok(_) => panic!("a second tier started over a locked directory (shared {shared})"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let why = refused(false);
+    assert!(why.contains("root_dir") && why.contains("in use"), "{why}");
+    refused(true);
+    first.tier.shutdown();
+    // Shut down: the directory is free; shared tiers then run side by side, a private one not.
+    let shared = |d: &std::path::Path| FsTierConfig {
+        shared_dir: true,
+        ..config(d, EngineChoice::Sync)
+    };
+    let a = FsTier::start(shared(dir.path()), Arc::clone(&memory)).expect("first shared tier");
+    let b = FsTier::start(shared(dir.path()), Arc::clone(&memory)).expect("second shared tier");
+    assert!(refused(false).contains("in use"));
+    drop((a, b));
+    let mut again = Rig::start(config(dir.path(), EngineChoice::Sync));
+    assert_eq!(again.tier.chunk_count(), 4);
+    again.tier.shutdown();
 }
