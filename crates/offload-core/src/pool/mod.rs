@@ -718,6 +718,27 @@ impl HostPool {
         self.marked.clear();
     }
 
+    /// Reserves a free slot for new key `key` (hash `h`): being written, on the policy's list and
+    /// in the key table (taking over the table entry of the key's ghost, if any).
+    #[inline]
+    fn reserve(&mut self, key: ChunkKey, h: u64) -> u32 {
+        let s = self.pop_free();
+        let slot = &mut self.slots[s as usize];
+        slot.hash = key.hash;
+        slot.group = key.group;
+        slot.refc = -1;
+        match &mut self.policy {
+            Policy::Lru(l) => {
+                l.insert(&mut self.slots, s);
+                let slots = &self.slots;
+                self.map.insert(h, s, |i| mix(slots[i as usize].key()));
+            }
+            // A ghost of the key gives its table entry to the slot.
+            Policy::Arc(a) => a.insert(&mut self.slots, &mut self.map, s, h),
+        }
+        s
+    }
+
     /// Evicts present idle slot `s`: off the policy, out of the table, onto the free stack.
     #[inline]
     fn evict(&mut self, s: u32) {
@@ -925,30 +946,19 @@ impl OffloadManager for HostPool {
             };
             self.evict(v);
         }
-        for n in 0..needed {
-            if self.free_count == 0 {
-                // Only after a broken invariant above: store what fits.
-                out.keys.truncate(n);
-                break;
-            }
-            let (key, h) = (out.keys[n], self.new_hashes[n]);
-            let s = self.pop_free();
-            let slot = &mut self.slots[s as usize];
-            slot.hash = key.hash;
-            slot.group = key.group;
-            slot.refc = -1;
-            match &mut self.policy {
-                Policy::Lru(l) => {
-                    l.insert(&mut self.slots, s);
-                    let slots = &self.slots;
-                    self.map.insert(h, s, |i| mix(slots[i as usize].key()));
-                }
-                // A ghost of the key gives its table entry to the slot.
-                Policy::Arc(a) => a.insert(&mut self.slots, &mut self.map, s, h),
-            }
-            out.slots.push(SlotId(s));
-            self.last_store.push(s);
-        }
+        // Only after a broken invariant above are there fewer free slots than new keys: then
+        // store what fits.
+        let storable = needed.min(self.free_count as usize);
+        out.keys.truncate(storable);
+        let new_hashes = std::mem::take(&mut self.new_hashes);
+        out.slots.extend(
+            out.keys
+                .iter()
+                .zip(&new_hashes)
+                .map(|(&key, &h)| SlotId(self.reserve(key, h))),
+        );
+        self.new_hashes = new_hashes;
+        self.last_store.extend(out.slots.iter().map(|s| s.0));
         self.new_hashes.clear();
         self.unmark_all();
         debug_assert_eq!(out.keys.len(), out.slots.len());
