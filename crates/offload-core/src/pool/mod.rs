@@ -203,12 +203,32 @@ impl Policy {
         }
     }
 
-    /// The next chunk to evict, or `None` if no evictable chunk is left.
+    /// Takes the next chunk to evict off the policy's list and out of the key table (with ARC
+    /// its table entry becomes its ghost's) and returns its slot, still holding its key; `None`
+    /// if no evictable chunk is left. One dispatch per eviction.
     #[inline]
-    fn next_victim(&self, slots: &[Slot], cursor: &mut VictimCursor) -> Option<u32> {
+    fn evict_next(
+        &mut self,
+        slots: &mut [Slot],
+        map: &mut IndexTable,
+        cursor: &mut VictimCursor,
+    ) -> Option<u32> {
         match self {
-            Policy::Lru(l) => l.next_victim(slots, cursor),
-            Policy::Arc(a) => a.next_victim(slots, cursor),
+            Policy::Lru(l) => {
+                let v = l.next_victim(slots, cursor)?;
+                let h = mix(slots[v as usize].key());
+                l.remove(slots, v);
+                let slots = &*slots;
+                let found = map.remove(h, v, |i| mix(slots[i as usize].key()));
+                debug_assert!(found, "slot {v} missing from the key table");
+                Some(v)
+            }
+            Policy::Arc(a) => {
+                let v = a.next_victim(slots, cursor)?;
+                let h = mix(slots[v as usize].key());
+                a.evict(slots, map, v, h);
+                Some(v)
+            }
         }
     }
 }
@@ -739,27 +759,18 @@ impl HostPool {
         s
     }
 
-    /// Evicts present idle slot `s`: off the policy, out of the table, onto the free stack.
+    /// Finishes the eviction of slot `s`, already off the policy and out of the key table: onto
+    /// the free stack, counted, and a Removed event.
     #[inline]
-    fn evict(&mut self, s: u32) {
+    fn evicted(&mut self, s: u32) {
         let slot = self.slots[s as usize];
-        debug_assert!(slot.present() && slot.evictable());
-        let key = slot.key();
-        let h = mix(key);
-        match &mut self.policy {
-            Policy::Lru(l) => {
-                l.remove(&mut self.slots, s);
-                self.unmap(s, h);
-            }
-            // The key's table entry becomes its ghost's.
-            Policy::Arc(a) => a.evict(&mut self.slots, &mut self.map, s, h),
-        }
+        debug_assert!(!slot.present() && slot.evictable());
         self.push_free(s);
         self.idle_count -= 1;
         self.stats.evictions += 1;
         if self.config.events {
             self.events.push(KvEvent::Removed {
-                key,
+                key: slot.key(),
                 medium: Medium::Cpu,
             });
         }
@@ -937,14 +948,17 @@ impl OffloadManager for HostPool {
         self.last_store.clear();
         let mut cursor = self.policy.victim_cursor();
         for _ in 0..to_evict {
-            let Some(v) = self.policy.next_victim(&self.slots, &mut cursor) else {
+            let Some(v) = self
+                .policy
+                .evict_next(&mut self.slots, &mut self.map, &mut cursor)
+            else {
                 // The idle count promised more evictable chunks than the lists hold.
                 self.broken(format_args!(
                     "{evictable} slots counted evictable, fewer found"
                 ));
                 break;
             };
-            self.evict(v);
+            self.evicted(v);
         }
         // Only after a broken invariant above are there fewer free slots than new keys: then
         // store what fits.
