@@ -238,16 +238,36 @@ impl Arc {
     }
 
     /// Evicts slot `s` (key hash `h`): off T1/T2, and a ghost onto B1/B2 that takes over the
-    /// key's table entry in place.
+    /// key's table entry in place. When the ghosts are at their bound, the dropped ghost's arena
+    /// entry is reused for the new one (the free stack would hand it straight back).
     #[inline]
     pub(super) fn evict(&mut self, slots: &mut [Slot], map: &mut IndexTable, s: u32, h: u64) {
-        let to_b2 = slots[s as usize].list == LIST_T2;
-        self.remove(slots, s);
-        if self.b1.len + self.b2.len >= self.capacity {
-            let from_b1 =
-                self.b1.len > 0 && (self.t1.len + self.b1.len >= self.capacity || self.b2.len == 0);
-            let g = if from_b1 { self.b1.tail } else { self.b2.tail };
-            debug_assert_ne!(g, NIL);
+        let to_b2 = match slots[s as usize].list {
+            LIST_T1 => {
+                self.t1.unlink(slots, s);
+                false
+            }
+            LIST_T2 => {
+                self.t2.unlink(slots, s);
+                true
+            }
+            other => unreachable!("slot {s} on no ARC list (tag {other})"),
+        };
+        slots[s as usize].list = LIST_FREE;
+        let (b1_len, b2_len) = (self.b1.len, self.b2.len);
+        let g = if b1_len + b2_len >= self.capacity {
+            let from_b1 = b1_len > 0 && (self.t1.len + b1_len >= self.capacity || b2_len == 0);
+            let g = if from_b1 {
+                let g = self.b1.tail;
+                debug_assert_ne!(g, NIL);
+                self.b1.unlink(&mut self.ghosts, g);
+                g
+            } else {
+                let g = self.b2.tail;
+                debug_assert_ne!(g, NIL);
+                self.b2.unlink(&mut self.ghosts, g);
+                g
+            };
             let this = &*self;
             let slots_ro = &*slots;
             let found = map.remove(
@@ -256,15 +276,15 @@ impl Arc {
                 |i| this.hash_at(slots_ro, i),
             );
             debug_assert!(found, "ghost {g} missing from the key table");
-            self.free_ghost(g);
-        }
-        let g = self.ghost_free;
-        debug_assert_ne!(g, NIL, "ghost arena exhausted");
-        self.ghost_free = self.ghosts[g as usize].link.next;
-        self.ghosts[g as usize] = Ghost {
-            fp: ghost_fp(h) | u32::from(to_b2),
-            link: Link::UNLINKED,
+            g
+        } else {
+            let g = self.ghost_free;
+            debug_assert_ne!(g, NIL, "ghost arena exhausted");
+            self.ghost_free = self.ghosts[g as usize].link.next;
+            self.ghosts[g as usize].link = Link::UNLINKED;
+            g
         };
+        self.ghosts[g as usize].fp = ghost_fp(h) | u32::from(to_b2);
         if to_b2 {
             self.b2.push_front(&mut self.ghosts, g);
         } else {

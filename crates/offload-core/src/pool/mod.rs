@@ -203,12 +203,32 @@ impl Policy {
         }
     }
 
-    /// The next chunk to evict, or `None` if no evictable chunk is left.
+    /// Takes the next chunk to evict off the policy's list and out of the key table (with ARC
+    /// its table entry becomes its ghost's) and returns its slot, still holding its key; `None`
+    /// if no evictable chunk is left. One dispatch per eviction.
     #[inline]
-    fn next_victim(&self, slots: &[Slot], cursor: &mut VictimCursor) -> Option<u32> {
+    fn evict_next(
+        &mut self,
+        slots: &mut [Slot],
+        map: &mut IndexTable,
+        cursor: &mut VictimCursor,
+    ) -> Option<u32> {
         match self {
-            Policy::Lru(l) => l.next_victim(slots, cursor),
-            Policy::Arc(a) => a.next_victim(slots, cursor),
+            Policy::Lru(l) => {
+                let v = l.next_victim(slots, cursor)?;
+                let h = mix(slots[v as usize].key());
+                l.remove(slots, v);
+                let slots = &*slots;
+                let found = map.remove(h, v, |i| mix(slots[i as usize].key()));
+                debug_assert!(found, "slot {v} missing from the key table");
+                Some(v)
+            }
+            Policy::Arc(a) => {
+                let v = a.next_victim(slots, cursor)?;
+                let h = mix(slots[v as usize].key());
+                a.evict(slots, map, v, h);
+                Some(v)
+            }
         }
     }
 }
@@ -718,27 +738,39 @@ impl HostPool {
         self.marked.clear();
     }
 
-    /// Evicts present idle slot `s`: off the policy, out of the table, onto the free stack.
+    /// Reserves a free slot for new key `key` (hash `h`): being written, on the policy's list and
+    /// in the key table (taking over the table entry of the key's ghost, if any).
     #[inline]
-    fn evict(&mut self, s: u32) {
-        let slot = self.slots[s as usize];
-        debug_assert!(slot.present() && slot.evictable());
-        let key = slot.key();
-        let h = mix(key);
+    fn reserve(&mut self, key: ChunkKey, h: u64) -> u32 {
+        let s = self.pop_free();
+        let slot = &mut self.slots[s as usize];
+        slot.hash = key.hash;
+        slot.group = key.group;
+        slot.refc = -1;
         match &mut self.policy {
             Policy::Lru(l) => {
-                l.remove(&mut self.slots, s);
-                self.unmap(s, h);
+                l.insert(&mut self.slots, s);
+                let slots = &self.slots;
+                self.map.insert(h, s, |i| mix(slots[i as usize].key()));
             }
-            // The key's table entry becomes its ghost's.
-            Policy::Arc(a) => a.evict(&mut self.slots, &mut self.map, s, h),
+            // A ghost of the key gives its table entry to the slot.
+            Policy::Arc(a) => a.insert(&mut self.slots, &mut self.map, s, h),
         }
+        s
+    }
+
+    /// Finishes the eviction of slot `s`, already off the policy and out of the key table: onto
+    /// the free stack, counted, and a Removed event.
+    #[inline]
+    fn evicted(&mut self, s: u32) {
+        let slot = self.slots[s as usize];
+        debug_assert!(!slot.present() && slot.evictable());
         self.push_free(s);
         self.idle_count -= 1;
         self.stats.evictions += 1;
         if self.config.events {
             self.events.push(KvEvent::Removed {
-                key,
+                key: slot.key(),
                 medium: Medium::Cpu,
             });
         }
@@ -916,39 +948,31 @@ impl OffloadManager for HostPool {
         self.last_store.clear();
         let mut cursor = self.policy.victim_cursor();
         for _ in 0..to_evict {
-            let Some(v) = self.policy.next_victim(&self.slots, &mut cursor) else {
+            let Some(v) = self
+                .policy
+                .evict_next(&mut self.slots, &mut self.map, &mut cursor)
+            else {
                 // The idle count promised more evictable chunks than the lists hold.
                 self.broken(format_args!(
                     "{evictable} slots counted evictable, fewer found"
                 ));
                 break;
             };
-            self.evict(v);
+            self.evicted(v);
         }
-        for n in 0..needed {
-            if self.free_count == 0 {
-                // Only after a broken invariant above: store what fits.
-                out.keys.truncate(n);
-                break;
-            }
-            let (key, h) = (out.keys[n], self.new_hashes[n]);
-            let s = self.pop_free();
-            let slot = &mut self.slots[s as usize];
-            slot.hash = key.hash;
-            slot.group = key.group;
-            slot.refc = -1;
-            match &mut self.policy {
-                Policy::Lru(l) => {
-                    l.insert(&mut self.slots, s);
-                    let slots = &self.slots;
-                    self.map.insert(h, s, |i| mix(slots[i as usize].key()));
-                }
-                // A ghost of the key gives its table entry to the slot.
-                Policy::Arc(a) => a.insert(&mut self.slots, &mut self.map, s, h),
-            }
-            out.slots.push(SlotId(s));
-            self.last_store.push(s);
-        }
+        // Only after a broken invariant above are there fewer free slots than new keys: then
+        // store what fits.
+        let storable = needed.min(self.free_count as usize);
+        out.keys.truncate(storable);
+        let new_hashes = std::mem::take(&mut self.new_hashes);
+        out.slots.extend(
+            out.keys
+                .iter()
+                .zip(&new_hashes)
+                .map(|(&key, &h)| SlotId(self.reserve(key, h))),
+        );
+        self.new_hashes = new_hashes;
+        self.last_store.extend(out.slots.iter().map(|s| s.0));
         self.new_hashes.clear();
         self.unmark_all();
         debug_assert_eq!(out.keys.len(), out.slots.len());
