@@ -108,6 +108,9 @@ pub struct TierCounters {
     pub retries: u64,
     /// Hits that could not be promoted because the host pool was full.
     pub promotion_no_space: u64,
+    /// Hits not promoted because the host pool's reuse threshold did not admit the key yet
+    /// (`reuse_threshold`: a key is stored only after that many lookups).
+    pub promotion_below_reuse_threshold: u64,
     /// Store (cascade) jobs submitted.
     pub store_jobs: u64,
     /// Chunks stored successfully.
@@ -640,6 +643,8 @@ impl TieringManager {
             .host
             .prepare_store(&keys, request, &mut prepared)
             .is_ok();
+        // Room was there, but the reuse threshold left the key out (not a lack of space).
+        let not_admitted = ok && !prepared.keys.contains(&key);
         keys.pop();
         if let Some(r) = self.requests.get_mut(&request) {
             r.scan_hits = keys;
@@ -650,7 +655,11 @@ impl TieringManager {
         };
         self.scratch_prepared = prepared;
         let (true, Some(slot)) = (ok, slot) else {
-            self.tiers[tier].counters.promotion_no_space += 1;
+            if not_admitted {
+                self.tiers[tier].counters.promotion_below_reuse_threshold += 1;
+            } else {
+                self.tiers[tier].counters.promotion_no_space += 1;
+            }
             return LookupResult::Miss;
         };
         self.state(request);

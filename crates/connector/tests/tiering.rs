@@ -37,6 +37,15 @@ fn fixture_with_options(
     configs: Vec<FakeTierConfig>,
     options: TieringOptions,
 ) -> Fixture {
+    fixture_with_pool(slots, 0, configs, options)
+}
+
+fn fixture_with_pool(
+    slots: u32,
+    reuse_threshold: u32,
+    configs: Vec<FakeTierConfig>,
+    options: TieringOptions,
+) -> Fixture {
     let strict = options.strict;
     let memory = Arc::new(VecSlotMemory::new(slots, SLOT_BYTES));
     let tiers: Vec<SharedTier<FakeTier>> = configs
@@ -50,7 +59,7 @@ fn fixture_with_options(
         PoolConfig {
             slot_count: slots,
             policy: EvictionPolicy::Lru,
-            reuse_threshold: 0,
+            reuse_threshold,
             events: true,
         },
         strict,
@@ -231,6 +240,35 @@ fn a_full_host_pool_turns_a_tier_hit_into_a_miss() {
         Some(1)
     );
     f.manager.complete_store(&prepared.keys, false);
+}
+
+#[test]
+fn a_promotion_the_reuse_threshold_leaves_out_is_not_counted_as_no_space() {
+    // A key is stored in the host pool only after 2 lookups there.
+    let options = TieringOptions {
+        strict: true,
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    };
+    let mut f = fixture_with_pool(4, 2, vec![FakeTierConfig::default()], options);
+    for _ in 0..2 {
+        assert_eq!(f.manager.lookup(key(1), RequestId(1)), LookupResult::Miss);
+    }
+    store(&mut f, RequestId(1), &[key(1)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    assert!(
+        f.tiers[0].with(|t| t.contains(key(1))),
+        "cascaded to the tier"
+    );
+    f.manager.reset();
+    // Only the tier holds key(1) now; the host pool saw it looked up once since the reset, so
+    // its promotion is not admitted yet: a miss, counted as such, with room to spare.
+    assert_eq!(f.manager.lookup(key(1), RequestId(2)), LookupResult::Miss);
+    let c = f.manager.tier_counters(0).expect("tier 0");
+    assert_eq!(
+        (c.promotion_below_reuse_threshold, c.promotion_no_space),
+        (1, 0)
+    );
 }
 
 #[test]

@@ -805,25 +805,39 @@ impl OffloadManager for HostPool {
     ) -> Result<(), CoreError> {
         let start = slots.len();
         for &key in keys {
-            let found = self.find(key, mix(key));
-            let refc = found.map_or(-1, |s| i32::from(self.slots[s as usize].refc));
-            let expected = if refc < 0 {
-                "stored and ready"
-            } else if refc as usize + keys.len() > READERS_PER_SLOT_MAX as usize {
-                "below the limit of concurrent readers"
-            } else {
-                slots.push(SlotId(found.unwrap_or(NIL)));
-                continue;
-            };
-            slots.truncate(start);
-            return Err(CoreError::BadKeyState {
-                hash: key.hash,
-                group: key.group,
-                expected,
-            });
+            match self.find(key, mix(key)) {
+                Some(s) if self.slots[s as usize].refc >= 0 => slots.push(SlotId(s)),
+                _ => {
+                    slots.truncate(start);
+                    return Err(CoreError::BadKeyState {
+                        hash: key.hash,
+                        group: key.group,
+                        expected: "stored and ready",
+                    });
+                }
+            }
         }
-        for &SlotId(s) in &slots[start..] {
-            let slot = &mut self.slots[s as usize];
+        // Pin each slot once per time the call names it; a slot already at the reader limit
+        // fails the whole call, and the pins taken so far are given back (all or nothing).
+        for i in start..slots.len() {
+            let s = slots[i].0 as usize;
+            if self.slots[s].refc as i32 >= READERS_PER_SLOT_MAX as i32 {
+                for &SlotId(undo) in &slots[start..i] {
+                    let slot = &mut self.slots[undo as usize];
+                    slot.refc -= 1;
+                    if slot.refc == 0 {
+                        self.idle_count += 1;
+                    }
+                }
+                let key = keys[i - start];
+                slots.truncate(start);
+                return Err(CoreError::BadKeyState {
+                    hash: key.hash,
+                    group: key.group,
+                    expected: "below the limit of concurrent readers",
+                });
+            }
+            let slot = &mut self.slots[s];
             debug_assert!(slot.present() && slot.refc >= 0);
             if slot.refc == 0 {
                 self.idle_count -= 1;

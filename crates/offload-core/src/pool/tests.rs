@@ -591,3 +591,26 @@ fn reader_limit_is_enforced() {
     assert!(matches!(err, CoreError::BadKeyState { .. }));
     assert_eq!(p.ref_count(k(1)), Some(READERS_PER_SLOT_MAX));
 }
+
+#[test]
+fn reader_limit_counts_each_key_not_the_call() {
+    // A key one pin short of the limit can still be loaded in a call with many other keys (the
+    // limit is per slot, not per call); a call that would push a slot past it fails whole, and
+    // the pins it took on other keys are given back.
+    let mut p = pool(8, EvictionPolicy::Lru);
+    store(&mut p, &[1, 2, 3, 4]);
+    let mut slots = Vec::new();
+    let near = vec![k(1); READERS_PER_SLOT_MAX as usize - 1];
+    p.prepare_load(&near, R, &mut slots).unwrap();
+    slots.clear();
+    p.prepare_load(&ks(&[1, 2, 3, 4]), R, &mut slots).unwrap();
+    assert_eq!(p.ref_count(k(1)), Some(READERS_PER_SLOT_MAX));
+    assert_eq!(p.ref_count(k(4)), Some(1));
+    slots.clear();
+    let err = p.prepare_load(&ks(&[2, 3, 1]), R, &mut slots).unwrap_err();
+    assert!(matches!(err, CoreError::BadKeyState { .. }), "{err:?}");
+    assert!(slots.is_empty());
+    assert_eq!(p.ref_count(k(2)), Some(1), "pin on k2 given back");
+    assert_eq!(p.ref_count(k(3)), Some(1), "pin on k3 given back");
+    p.check_invariants().unwrap();
+}
