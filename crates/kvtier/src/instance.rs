@@ -437,9 +437,11 @@ pub fn summarize(
     r
 }
 
-/// Steps `sims` in turn until all are done (at most `max_steps` steps each), letting the tiers
-/// keep up after every step (a real engine's step is longer than a small disk write), then runs
-/// each simulator's end-of-run checks. `progress` hears finished and total requests.
+/// Steps `sims` in turn until all are done (at most `max_steps` steps each), polling the tiers
+/// after every step without waiting for them (as an engine does: its steps do not wait for the
+/// disk or the peers, so lookups meet `Retry`, promotions stay pending across steps, and busy
+/// tiers and deadlines come into play), then drains the tiers and runs each simulator's
+/// end-of-run checks. `progress` hears finished and total requests.
 pub fn drive(
     sims: &mut [InstanceSim],
     max_steps: u64,
@@ -451,7 +453,7 @@ pub fn drive(
         for sim in sims.iter_mut() {
             if !sim.is_done() {
                 sim.step();
-                sim.handle_mut().drain_tiers();
+                sim.handle_mut().poll_tiers();
             }
         }
         steps += 1;
