@@ -50,7 +50,7 @@ fn fs_tier(dir: &std::path::Path, memory: Arc<dyn SlotMemory>, config: &SimConfi
 
 fn p2p_tier(memory: Arc<dyn SlotMemory>, peers: Vec<std::net::SocketAddr>) -> P2pTier {
     let config = P2pConfig {
-        peers,
+        peers: peers.into_iter().map(Into::into).collect(),
         lookup_cache_ttl: Duration::from_millis(1),
         ..P2pConfig::new(Namespace::new("engine-sim", "u8-16x4", 1))
     };

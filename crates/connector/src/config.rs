@@ -136,9 +136,23 @@ pub struct P2pTierSpec {
     /// Where to serve published chunks (default `127.0.0.1:0`).
     #[serde(default)]
     pub listen: Option<String>,
-    /// The peers to fetch from, as `host:port`.
+    /// The peers, as `host:port` (an IP literal, `[v6]:port`, or a DNS name resolved at every
+    /// connect). This instance's own address may be listed.
     #[serde(default)]
     pub peers: Vec<String>,
+    /// Instead of `peers`: a `name:port` whose every address is a peer, re-resolved every
+    /// `dns_refresh_ms` (default 5000).
+    #[serde(default)]
+    pub peers_dns: Option<String>,
+    /// How often `peers_dns` is resolved again, in milliseconds.
+    #[serde(default)]
+    pub dns_refresh_ms: Option<u64>,
+    /// How peers name this instance, as `host:port`, when that is not `listen`.
+    #[serde(default)]
+    pub advertise: Option<String>,
+    /// How many peers own each key (1 to 3, default 2): lookups ask only a key's owners.
+    #[serde(default)]
+    pub owners: Option<usize>,
     /// A file holding the shared secret (at least 16 bytes); required beyond loopback.
     #[serde(default)]
     pub secret_file: Option<PathBuf>,
@@ -445,16 +459,26 @@ fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigEr
                 })?;
             }
             for (j, peer) in p2p.peers.iter().enumerate() {
-                peer.parse::<SocketAddr>().map_err(|e| {
-                    invalid(
-                        key(&format!("peers[{j}]")),
-                        format!("{peer:?} is not host:port ({e})"),
-                    )
-                })?;
+                host_port(peer).map_err(|e| invalid(key(&format!("peers[{j}]")), e))?;
+            }
+            for (field, value) in [("peers_dns", &p2p.peers_dns), ("advertise", &p2p.advertise)] {
+                if let Some(value) = value {
+                    host_port(value).map_err(|e| invalid(key(field), e))?;
+                }
+            }
+            if p2p.peers_dns.is_some() && !p2p.peers.is_empty() {
+                return Err(invalid(
+                    key("peers_dns"),
+                    "set together with `peers`; pick one",
+                ));
+            }
+            if let Some(owners) = p2p.owners.filter(|o| !(1..=3).contains(o)) {
+                return Err(invalid(key("owners"), format!("{owners} outside 1..=3")));
             }
             for (field, v) in [
                 ("lookup_deadline_ms", p2p.lookup_deadline_ms),
                 ("fetch_deadline_ms", p2p.fetch_deadline_ms),
+                ("dns_refresh_ms", p2p.dns_refresh_ms),
             ] {
                 if v == Some(0) {
                     return Err(invalid(key(field), "must be at least 1"));
@@ -615,12 +639,21 @@ impl ResolvedConfig {
             None => defaults.listen,
         };
         let mut peers = Vec::with_capacity(spec.peers.len());
-        for p in &spec.peers {
+        for (j, p) in spec.peers.iter().enumerate() {
             peers.push(
                 p.parse()
-                    .map_err(|err| bad("peers", format!("{p:?}: {err}")))?,
+                    .map_err(|err| bad(&format!("peers[{j}]"), format!("{err}")))?,
             );
         }
+        let name = |field: &str, value: &Option<String>| match value {
+            Some(v) => v
+                .parse::<tier_p2p::PeerAddr>()
+                .map(Some)
+                .map_err(|err| bad(field, format!("{err}"))),
+            None => Ok(None),
+        };
+        let peers_dns = name("peers_dns", &spec.peers_dns)?;
+        let advertise = name("advertise", &spec.advertise)?;
         let secret = match &spec.secret_file {
             Some(path) => Some(std::fs::read(path).map_err(|err| {
                 bad(
@@ -634,6 +667,10 @@ impl ResolvedConfig {
         let config = P2pConfig {
             listen,
             peers,
+            peers_dns,
+            dns_refresh: ms(spec.dns_refresh_ms, defaults.dns_refresh),
+            advertise,
+            owners: spec.owners.unwrap_or(defaults.owners),
             secret,
             published_bytes_max: spec
                 .published_bytes_max
@@ -661,4 +698,35 @@ impl ResolvedConfig {
             reason: "this build has no peer tier (enable the connector's `p2p` feature)".to_owned(),
         })
     }
+}
+
+/// Checks that `value` has the shape `host:port` (an IPv4 literal, `[v6]:port`, or a DNS name);
+/// the peer tier parses it again and resolves names only when it connects. The message names
+/// the value.
+fn host_port(value: &str) -> Result<(), String> {
+    if value.parse::<SocketAddr>().is_ok() {
+        return Ok(());
+    }
+    let bad = |why: &str| Err(format!("{value:?} is not host:port ({why})"));
+    let Some((host, port)) = value.rsplit_once(':') else {
+        return bad("no `:port`");
+    };
+    if port.parse::<u16>().is_err() {
+        return bad("port is not 0..=65535");
+    }
+    if host.starts_with('[') || host.contains(':') {
+        return bad("not an IPv6 literal; write [address]:port");
+    }
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let label_ok = |label: &str| {
+        (1..=63).contains(&label.len())
+            && !label.starts_with('-')
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+        return bad("host is neither an IP address nor a DNS name");
+    }
+    Ok(())
 }

@@ -215,3 +215,36 @@ fn offload_prompt_only_defaults_to_vllms_true() {
     assert!(parse(""));
     assert!(!parse("offload_prompt_only = false"));
 }
+
+#[test]
+fn p2p_peers_may_be_names_and_bad_ones_are_named_with_their_value() {
+    let tiers = |peers: &str, extra: &str| {
+        format!(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{{ type = \"p2p\", \
+             peers = [{peers}]{extra} }}]\n"
+        )
+    };
+    let good = tiers(
+        "\"localhost:7071\", \"node-3.example:7071\", \"10.0.0.1:7071\", \"[::1]:7071\"",
+        ", owners = 3, advertise = \"node-1.example:7071\"",
+    );
+    let resolved = ConnectorConfig::from_toml_str(&good)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("names are host:port");
+    assert_eq!(resolved.tiers.len(), 1);
+    let message = error(&tiers("\"localhost:7071\", \"node 3:7071\"", ""));
+    assert!(message.contains("secondary_tiers[0].peers[1]"), "{message}");
+    assert!(message.contains("\"node 3:7071\""), "{message}");
+    assert_eq!(
+        invalid_key(&tiers("\"localhost\"", "")),
+        "secondary_tiers[0].peers[0]"
+    );
+    assert_eq!(
+        invalid_key(&tiers("", ", owners = 4")),
+        "secondary_tiers[0].owners"
+    );
+    assert_eq!(
+        invalid_key(&tiers("\"a:1\"", ", peers_dns = \"peers.svc:7071\"")),
+        "secondary_tiers[0].peers_dns"
+    );
+}

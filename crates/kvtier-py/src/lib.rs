@@ -329,9 +329,13 @@ impl PyTier {
             cfg.listen = resolve("listen", &l)?;
         }
         if let Some(peers) = dict_get::<Vec<String>>(&config, "peers")? {
+            // Names are resolved by the tier at every connect, not here.
             cfg.peers = peers
                 .iter()
-                .map(|p| resolve("peer", p))
+                .map(|p| {
+                    p.parse::<tier_p2p::PeerAddr>()
+                        .map_err(|e| PyValueError::new_err(format!("p2p tier: peer {e}")))
+                })
                 .collect::<PyResult<_>>()?;
         }
         cfg.secret = dict_get::<Vec<u8>>(&config, "secret")?;

@@ -416,7 +416,7 @@ fn fetcher(
 ) -> Result<P2pTier, String> {
     let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(bench.slot_count, bytes));
     let mut config = bench_config(bytes, bytes);
-    config.peers = vec![publisher.local_addr()];
+    config.peers = vec![publisher.local_addr().into()];
     config.nixl = nixl;
     P2pTier::new(config, memory).map_err(|e| format!("p2p bench: fetcher: {e}"))
 }

@@ -11,10 +11,16 @@
 //! between batches and jobs. A job that stops before reading an answer sent ahead for it, or
 //! whose first batch turned out other than predicted, drops that connection.
 //!
-//! A peer that fails (connect, handshake, timeout, bad frame, closed mid-transfer) is marked down
-//! and skipped until a backoff that doubles with each consecutive failure has passed; then it is
-//! reconnected, which also covers a peer that restarted.
+//! A peer that fails (name resolution, connect, handshake, timeout, bad frame, closed
+//! mid-transfer) is marked down and skipped until a backoff that doubles with each consecutive
+//! failure has passed; then its name is resolved again and it is reconnected, which also covers
+//! a peer that restarted or moved.
+//!
+//! Who the peers are comes from the [`PeerDirectory`], read again before every command; each key
+//! is asked of (and pushed to) its owners among them only ([`owners`], rendezvous hashing), so a
+//! lookup costs at most `owners` HAVE keys per key, however many members there are.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,10 +29,13 @@ use crossbeam_channel::{Receiver, Sender};
 use offload_core::tier::{SlotMemory, TierCompletion};
 use offload_core::{ChunkKey, JobId};
 
+use crate::config::P2pConfig;
 use crate::conn::Conn;
+use crate::directory::{member_id, owners, PeerDirectory};
 use crate::error::P2pError;
-use crate::frame::{Frame, FrameError, FrameKind, DATA_PREFIX_BYTES};
+use crate::frame::{decode_data_prefix, Frame, FrameError, FrameKind, DATA_PREFIX_BYTES};
 use crate::handshake;
+use crate::peer::PeerAddr;
 use crate::shared::{lock, log, Shared};
 use crate::stats::{add, PeerStatus};
 use crate::worker::{copy_local, published, Control, Work};
@@ -48,10 +57,12 @@ mod nixl_fetch;
 /// A job for the client worker.
 #[derive(Debug)]
 pub(crate) enum ClientCommand {
-    /// Ask every peer which of these keys it holds.
+    /// Ask the keys' owners which of these keys they hold.
     Lookup(Vec<ChunkKey>),
     /// Load these chunks (local copies first, then peers).
     Load(Work),
+    /// Push these chunks, just published here, to their keys' owners (best effort).
+    Push(Vec<ChunkKey>),
 }
 
 /// The peers' answer to one lookup batch.
@@ -59,7 +70,7 @@ pub(crate) enum ClientCommand {
 pub(crate) struct LookupAnswer {
     /// The keys asked.
     pub(crate) keys: Vec<ChunkKey>,
-    /// For each key, the first peer that holds it.
+    /// For each key, the first peer (slot) that holds it.
     pub(crate) holders: Vec<Option<u16>>,
 }
 
@@ -69,8 +80,16 @@ struct Ahead {
     keys: Vec<ChunkKey>,
 }
 
-/// One configured peer.
+/// One peer slot: a member of the directory, or a former one (kept until its slot is reused,
+/// with no connection).
 struct Peer {
+    /// The peer as the directory names it.
+    name: PeerAddr,
+    /// Its identity for rendezvous hashing.
+    id: u64,
+    /// Whether it is in the current member set.
+    member: bool,
+    /// The address of the current (or last) connection; unspecified before the first.
     addr: SocketAddr,
     conn: Option<Conn>,
     /// The GET sent ahead on `conn` for a queued job, if any (gone with the connection).
@@ -107,8 +126,18 @@ pub(crate) struct Client {
     shared: Arc<Shared>,
     memory: Arc<dyn SlotMemory>,
     control: Arc<Control>,
+    directory: Box<dyn PeerDirectory>,
+    /// How peers may name this instance (its bound address, `advertise`): never a member.
+    self_names: Vec<PeerAddr>,
+    /// Peer slots, by index (hints and sockets are by slot).
     peers: Vec<Peer>,
-    status: Arc<Mutex<Vec<PeerStatus>>>,
+    /// Slot of each peer name.
+    slots: HashMap<PeerAddr, usize>,
+    /// The current members' slots and rendezvous ids, in the directory's (sorted) order.
+    members: Vec<usize>,
+    member_ids: Vec<u64>,
+    /// Each slot's state, `None` for slots not in the member set.
+    status: Arc<Mutex<Vec<Option<PeerStatus>>>>,
     scratch: Vec<u8>,
     commands: Receiver<ClientCommand>,
     /// The command taken from `commands` ahead of its turn (to send its GET early), run next.
@@ -116,42 +145,118 @@ pub(crate) struct Client {
 }
 
 impl Client {
-    /// A client for the configured peers that runs `commands`, reporting the peers' state into
-    /// `status`.
+    /// A client for the members of `directory` (less `self_names`) that runs `commands`,
+    /// reporting the peers' state into `status`.
     pub(crate) fn new(
         shared: Arc<Shared>,
         memory: Arc<dyn SlotMemory>,
         control: Arc<Control>,
-        status: Arc<Mutex<Vec<PeerStatus>>>,
+        directory: Box<dyn PeerDirectory>,
+        self_names: Vec<PeerAddr>,
+        status: Arc<Mutex<Vec<Option<PeerStatus>>>>,
         commands: Receiver<ClientCommand>,
     ) -> Self {
-        let peers = shared
-            .config
-            .peers
-            .iter()
-            .map(|&addr| Peer {
-                addr,
-                conn: None,
-                ahead: None,
-                failures: 0,
-                retry_at: None,
-                used_at: Instant::now(),
-                #[cfg(feature = "nixl")]
-                nixl: nixl_fetch::PeerNixl::default(),
-            })
-            .collect();
-        Self {
+        let mut client = Self {
             #[cfg(feature = "nixl")]
             slot_registrations: Vec::new(),
             shared,
             memory,
             control,
-            peers,
+            directory,
+            self_names,
+            peers: Vec::new(),
+            slots: HashMap::new(),
+            members: Vec::new(),
+            member_ids: Vec::new(),
             status,
             scratch: Vec::new(),
             commands,
             next: None,
+        };
+        client.refresh_members();
+        client
+    }
+
+    /// Reads the directory's member set and updates the slots: new members get a slot (a former
+    /// member's, if one is free), members that left are disconnected. Keeps slots at most
+    /// `members_max` plus the slots of members that left and were not reused.
+    fn refresh_members(&mut self) {
+        let mut names = self.directory.members();
+        names.retain(|name| !self.self_names.contains(name));
+        names.sort();
+        names.dedup();
+        let members_max = self.shared.config.members_max;
+        if names.len() > members_max {
+            log(format_args!(
+                "peer directory lists {} members; using the first {members_max} (`members_max`)",
+                names.len()
+            ));
+            names.truncate(members_max);
         }
+        let same = names.len() == self.members.len()
+            && names
+                .iter()
+                .zip(&self.members)
+                .all(|(name, &p)| self.peers[p].name == *name);
+        if same {
+            return;
+        }
+        for p in 0..self.peers.len() {
+            self.peers[p].member = false;
+        }
+        let mut fresh = Vec::new();
+        for name in &names {
+            match self.slots.get(name) {
+                Some(&p) => self.peers[p].member = true,
+                None => fresh.push(name.clone()),
+            }
+        }
+        let mut free: Vec<usize> = (0..self.peers.len())
+            .filter(|&p| !self.peers[p].member)
+            .collect();
+        for p in &free {
+            self.disconnect(*p);
+        }
+        free.reverse();
+        for name in fresh {
+            let peer = Peer::new(name.clone());
+            let p = match free.pop() {
+                Some(p) => {
+                    self.slots.remove(&self.peers[p].name);
+                    self.peers[p] = peer;
+                    p
+                }
+                None => {
+                    self.peers.push(peer);
+                    self.peers.len() - 1
+                }
+            };
+            self.slots.insert(name, p);
+        }
+        self.members = names
+            .iter()
+            .filter_map(|n| self.slots.get(n).copied())
+            .collect();
+        self.member_ids = self.members.iter().map(|&p| self.peers[p].id).collect();
+        self.control.set_member_count(self.members.len());
+        let mut status = lock(&self.status);
+        status.clear();
+        status.extend(self.peers.iter().map(|peer| {
+            peer.member.then(|| PeerStatus {
+                peer: peer.name.clone(),
+                addr: None,
+                connected: peer.conn.is_some(),
+                consecutive_failures: peer.failures,
+                last_error: None,
+            })
+        }));
+    }
+
+    /// The slots of `key`'s owners among the current members.
+    fn owners_of(&self, key: ChunkKey) -> impl Iterator<Item = usize> + '_ {
+        owners(key, &self.member_ids, self.shared.config.owners)
+            .into_iter()
+            .map(|m| self.members[m])
     }
 
     /// The worker's loop; returns when the tier drops its sender.
@@ -164,6 +269,9 @@ impl Client {
                     Err(_) => break,
                 },
             };
+            if !self.control.shutting_down() {
+                self.refresh_members();
+            }
             let sent = match command {
                 ClientCommand::Lookup(keys) if self.control.shutting_down() => {
                     let holders = vec![None; keys.len()];
@@ -171,6 +279,13 @@ impl Client {
                 }
                 ClientCommand::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
                 ClientCommand::Load(work) => done.send(self.load(&work)).is_ok(),
+                ClientCommand::Push(keys) => {
+                    if !self.control.shutting_down() {
+                        self.push(&keys);
+                    }
+                    self.control.end_push();
+                    true
+                }
             };
             if !sent {
                 break;
@@ -181,38 +296,51 @@ impl Client {
         }
     }
 
-    /// Asks every reachable peer about `keys` (one HAVE per peer and batch, all sent before any
-    /// reply is read) within `lookup_deadline`.
+    /// Asks the owners of `keys` which they hold: one HAVE per owner and batch (at most
+    /// `keys_per_request_max` keys), the HAVEs of a round sent to every owner before any reply
+    /// is read, all within `lookup_deadline`.
     fn lookup(&mut self, keys: Vec<ChunkKey>) -> LookupAnswer {
         let deadline = Instant::now() + self.shared.config.lookup_deadline;
         let mut holders = vec![None; keys.len()];
+        let mut asks: Vec<Vec<usize>> = vec![Vec::new(); self.peers.len()];
+        for (i, &key) in keys.iter().enumerate() {
+            for p in self.owners_of(key) {
+                asks[p].push(i);
+            }
+        }
         let batch_max = self.shared.config.keys_per_request_max;
-        for (batch_index, batch) in keys.chunks(batch_max).enumerate() {
-            let offset = batch_index * batch_max;
+        let rounds = asks
+            .iter()
+            .map(|a| a.len().div_ceil(batch_max))
+            .max()
+            .unwrap_or(0);
+        for round in 0..rounds {
             let mut asked = Vec::new();
-            for p in 0..self.peers.len() {
+            for (p, indexes) in asks.iter().enumerate() {
+                let Some(batch) = indexes.chunks(batch_max).nth(round) else {
+                    continue;
+                };
                 if !self.ready(p, deadline) {
                     continue;
                 }
+                let batch_keys: Vec<ChunkKey> = batch.iter().map(|&i| keys[i]).collect();
                 let conn = self.conn(p);
                 conn.set_deadline(deadline);
-                match conn.send(&Frame::Have(batch.to_vec()), "send HAVE") {
-                    Ok(()) => asked.push(p),
+                match conn.send(&Frame::Have(batch_keys), "send HAVE") {
+                    Ok(()) => asked.push((p, batch)),
                     Err(error) => self.fail(p, &error),
                 }
             }
-            add(&self.shared.counters.have_requests, asked.len() as u64);
-            add(
-                &self.shared.counters.lookup_keys_asked,
-                (batch.len() * asked.len()) as u64,
-            );
-            for p in asked {
+            let counters = &self.shared.counters;
+            add(&counters.have_requests, asked.len() as u64);
+            let asked_keys: usize = asked.iter().map(|(_, batch)| batch.len()).sum();
+            add(&counters.lookup_keys_asked, asked_keys as u64);
+            for (p, batch) in asked {
                 match recv_have_reply(self.conn(p), batch.len()) {
                     Ok(held) => {
-                        for (i, _) in held.iter().enumerate().filter(|(_, &h)| h) {
-                            let slot = &mut holders[offset + i];
-                            // Fits: the config allows at most u16::MAX peers.
-                            *slot = slot.or(Some(p as u16));
+                        for (&i, _) in batch.iter().zip(&held).filter(|(_, &h)| h) {
+                            // Fits: at most `members_max` (<= u16::MAX) slots are members.
+                            holders[i] = holders[i].or(u16::try_from(p).ok());
                         }
                     }
                     Err(error) => self.fail(p, &error),
@@ -220,6 +348,50 @@ impl Client {
             }
         }
         LookupAnswer { keys, holders }
+    }
+
+    /// Pushes the chunks of `keys` published here to their keys' owners (PUT, each answered by
+    /// END), within `fetch_deadline`. Best effort: a failure is counted and logged, never
+    /// retried; the chunk stays published here either way.
+    fn push(&mut self, keys: &[ChunkKey]) {
+        if !self.control.push_needed(self.shared.config.owners) {
+            return;
+        }
+        let deadline = Instant::now() + self.shared.config.fetch_deadline;
+        for &key in keys {
+            let Some(chunk) = lock(&self.shared.store).get(key) else {
+                continue;
+            };
+            let targets: Vec<usize> = self.owners_of(key).collect();
+            for p in targets {
+                if self.control.shutting_down() {
+                    return;
+                }
+                if !self.ready(p, deadline) {
+                    add(&self.shared.counters.push_failures, 1);
+                    continue;
+                }
+                let conn = self.conn(p);
+                conn.set_deadline(deadline);
+                let sent = conn
+                    .send_chunk(
+                        FrameKind::Put,
+                        key,
+                        chunk.checksum,
+                        &chunk.bytes,
+                        "send PUT",
+                    )
+                    .and_then(|()| recv_end_frame(conn, "receive PUT answer"));
+                match sent {
+                    Ok(1) => add(&self.shared.counters.chunks_pushed, 1),
+                    Ok(_) => add(&self.shared.counters.push_failures, 1),
+                    Err(error) => {
+                        add(&self.shared.counters.push_failures, 1);
+                        self.fail(p, &error);
+                    }
+                }
+            }
+        }
     }
 
     /// Runs a load job: local copies, then GETs to the peers (those a lookup named first) until
@@ -272,17 +444,25 @@ impl Client {
     }
 
     /// Peers in the order to try for `work`: those named by lookups for missing chunks (most
-    /// named first), then the others in configured order.
+    /// named first), then the missing chunks' other owners (owning most first). Members that own
+    /// none of them are not asked.
     fn peer_order(&self, work: &Work, done: &[bool]) -> Vec<usize> {
         let mut named = vec![0usize; self.peers.len()];
-        for (hint, _) in work.hints.iter().zip(done).filter(|(_, &d)| !d) {
+        let mut owning = vec![0usize; self.peers.len()];
+        let missing = work.chunks.iter().zip(&work.hints).zip(done);
+        for ((&(key, _, _), hint), _) in missing.filter(|(_, &d)| !d) {
             if let Some(p) = hint.map(usize::from).filter(|&p| p < named.len()) {
                 named[p] += 1;
             }
+            for p in self.owners_of(key) {
+                owning[p] += 1;
+            }
         }
-        let mut order: Vec<usize> = (0..self.peers.len()).collect();
-        // Stable: ties keep the configured order.
-        order.sort_by_key(|&p| std::cmp::Reverse(named[p]));
+        let mut order: Vec<usize> = (0..self.peers.len())
+            .filter(|&p| self.peers[p].member && (named[p] > 0 || owning[p] > 0))
+            .collect();
+        // Stable: ties keep the slot order.
+        order.sort_by_key(|&p| std::cmp::Reverse((named[p], owning[p])));
         order
     }
 
@@ -385,7 +565,7 @@ impl Client {
                     .collect();
                 self.first_get(p, work, &local)
             }
-            ClientCommand::Lookup(_) => None,
+            ClientCommand::Lookup(_) | ClientCommand::Push(_) => None,
         };
         self.next = Some(command);
         if let Some(ahead) = ahead {
@@ -435,7 +615,7 @@ impl Client {
         }
         let mut prefix = [0u8; DATA_PREFIX_BYTES];
         self.conn(p).read_exact(&mut prefix, "receive DATA")?;
-        let (key, sum) = parse_prefix(&prefix);
+        let (key, sum) = decode_data_prefix(&prefix);
         let payload_len = body_len - DATA_PREFIX_BYTES;
         let Some(&i) = batch.iter().find(|&&i| work.chunks[i].0 == key && !done[i]) else {
             return Err(Stop::Failed(
@@ -540,24 +720,21 @@ impl Client {
         if peer.retry_at.is_some_and(|at| now < at) || now >= deadline {
             return false;
         }
-        let left = deadline - now;
-        let addr = peer.addr;
-        let connect = config.connect_deadline.min(left);
-        let connected =
-            Conn::connect(addr, connect, config.frame_body_bytes_max).and_then(|mut conn| {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let timeout = config
-                    .handshake_deadline
-                    .min(left)
-                    .max(Duration::from_millis(1));
-                handshake::client(&mut conn, &shared.identity, timeout).map(|()| conn)
-            });
+        let connected = connect(&peer.name, config, deadline).and_then(|mut conn| {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let timeout = config
+                .handshake_deadline
+                .min(left)
+                .max(Duration::from_millis(1));
+            handshake::client(&mut conn, &shared.identity, timeout).map(|()| conn)
+        });
         match connected {
             Ok(conn) => {
                 if let Ok(socket) = conn.socket() {
                     self.control.register(p, socket);
                 }
                 let peer = &mut self.peers[p];
+                peer.addr = conn.peer();
                 peer.conn = Some(conn);
                 peer.failures = 0;
                 peer.retry_at = None;
@@ -608,7 +785,7 @@ impl Client {
         }
         log(format_args!(
             "peer {} marked down ({} consecutive failures, retry in {backoff:?}): {error}",
-            peer.addr, peer.failures
+            peer.name, peer.failures
         ));
         self.report(p, Some(error.to_string()));
     }
@@ -617,14 +794,69 @@ impl Client {
     fn report(&self, p: usize, error: Option<String>) {
         let peer = &self.peers[p];
         let mut status = lock(&self.status);
-        if let Some(entry) = status.get_mut(p) {
+        if let Some(Some(entry)) = status.get_mut(p) {
             entry.connected = peer.conn.is_some();
+            if peer.conn.is_some() {
+                entry.addr = Some(peer.addr);
+            }
             entry.consecutive_failures = peer.failures;
             if error.is_some() {
                 entry.last_error = error;
             }
         }
     }
+}
+
+impl Peer {
+    /// A new member `name`, not connected.
+    fn new(name: PeerAddr) -> Self {
+        Self {
+            id: member_id(&name),
+            addr: SocketAddr::from(([0, 0, 0, 0], name.port())),
+            name,
+            member: true,
+            conn: None,
+            ahead: None,
+            failures: 0,
+            retry_at: None,
+            used_at: Instant::now(),
+            #[cfg(feature = "nixl")]
+            nixl: nixl_fetch::PeerNixl::default(),
+        }
+    }
+}
+
+/// Resolves `name` (now: a moved peer is found again) and connects to the first of its
+/// addresses that accepts, each try within `connect_deadline` and all before `deadline`.
+fn connect(name: &PeerAddr, config: &P2pConfig, deadline: Instant) -> Result<Conn, P2pError> {
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let addrs = name
+        .resolve(config.connect_deadline.min(left()))
+        .map_err(|source| P2pError::Resolve {
+            peer: name.to_string(),
+            source,
+        })?;
+    let mut last = None;
+    for addr in addrs {
+        let timeout = config.connect_deadline.min(left());
+        if timeout.is_zero() {
+            break;
+        }
+        match Conn::connect(addr, timeout, config.frame_body_bytes_max) {
+            Ok(conn) => return Ok(conn),
+            Err(error) => last = Some(error),
+        }
+    }
+    Err(last.unwrap_or_else(|| P2pError::Resolve {
+        peer: name.to_string(),
+        source: std::io::Error::new(std::io::ErrorKind::TimedOut, "no time left to connect"),
+    }))
+}
+
+/// Receives an END frame (a PUT's answer) and returns its count.
+fn recv_end_frame(conn: &mut Conn, op: &'static str) -> Result<u32, P2pError> {
+    let header = conn.recv_header(op)?;
+    recv_end(conn, header)
 }
 
 /// Receives a HAVE_REPLY of `count` flags.
@@ -686,17 +918,4 @@ fn receive_hashed(conn: &mut Conn, dst: &mut [u8]) -> Result<u64, P2pError> {
 /// The keys of the chunks of `work` at `indexes`.
 fn keys_of(work: &Work, indexes: &[usize]) -> Vec<ChunkKey> {
     indexes.iter().map(|&i| work.chunks[i].0).collect()
-}
-
-fn parse_prefix(prefix: &[u8; DATA_PREFIX_BYTES]) -> (ChunkKey, u64) {
-    let mut hash = [0u8; 8];
-    let mut group = [0u8; 4];
-    let mut sum = [0u8; 8];
-    hash.copy_from_slice(&prefix[0..8]);
-    group.copy_from_slice(&prefix[8..12]);
-    sum.copy_from_slice(&prefix[12..20]);
-    (
-        ChunkKey::new(u64::from_le_bytes(hash), u32::from_le_bytes(group)),
-        u64::from_le_bytes(sum),
-    )
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::error::P2pError;
 use crate::frame::{DATA_PREFIX_BYTES, FRAME_BODY_BYTES_MIN, KEY_BYTES, NAMESPACE_BYTES_MAX};
+use crate::peer::PeerAddr;
 
 /// What makes a key mean the same bytes on two instances: the model, the KV layout, and the seed
 /// of the prefix hash. Peers with different namespaces refuse each other, because the same key
@@ -51,8 +52,23 @@ pub struct P2pConfig {
     /// [`P2pTier::local_addr`](crate::P2pTier::local_addr)). Without `secret` it must be a
     /// loopback address.
     pub listen: SocketAddr,
-    /// The peers to ask and fetch from.
-    pub peers: Vec<SocketAddr>,
+    /// The peers (a static directory, [`StaticPeers`](crate::StaticPeers)): IP literals or DNS
+    /// names, each resolved at every connect. This instance's own address may be listed (it is
+    /// recognised and left out), so every instance can share one list.
+    pub peers: Vec<PeerAddr>,
+    /// Instead of `peers`: a DNS name whose every address is a peer at its port
+    /// ([`DnsPeers`](crate::DnsPeers)), re-resolved every `dns_refresh`.
+    pub peers_dns: Option<PeerAddr>,
+    /// How often `peers_dns` is resolved again.
+    pub dns_refresh: Duration,
+    /// How peers name this instance, when that is not `listen` (a DNS name, or the address
+    /// behind a NAT): a member equal to it or to the bound address is this instance.
+    pub advertise: Option<PeerAddr>,
+    /// How many members own each key (1 to 3): lookups ask only a key's owners, and a publish
+    /// also pushes the chunk to them.
+    pub owners: usize,
+    /// Most members taken from the directory (more are ignored, with a log line).
+    pub members_max: usize,
     /// The namespace identity; peers must have the same.
     pub namespace: Namespace,
     /// Shared secret for the HMAC challenge and response; `None` means no authentication, which
@@ -99,6 +115,9 @@ impl fmt::Debug for P2pConfig {
         f.debug_struct("P2pConfig")
             .field("listen", &self.listen)
             .field("peers", &self.peers)
+            .field("peers_dns", &self.peers_dns)
+            .field("advertise", &self.advertise)
+            .field("owners", &self.owners)
             .field("namespace", &self.namespace)
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("published_bytes_max", &self.published_bytes_max)
@@ -117,6 +136,11 @@ impl P2pConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             peers: Vec::new(),
+            peers_dns: None,
+            dns_refresh: Duration::from_secs(5),
+            advertise: None,
+            owners: 2,
+            members_max: 1024,
             namespace,
             secret: None,
             published_bytes_max: 256 << 20,
@@ -157,14 +181,26 @@ impl P2pConfig {
                 format!("longer than {NAMESPACE_BYTES_MAX} bytes"),
             );
         }
-        if self.peers.contains(&self.listen) {
+        if !(1..=3).contains(&self.owners) {
+            return config("owners", format!("{} outside 1..=3", self.owners));
+        }
+        if !(1..=u16::MAX as usize).contains(&self.members_max) {
             return config(
-                "peers",
-                format!("lists this instance's own address {}", self.listen),
+                "members_max",
+                format!("{} outside 1..={}", self.members_max, u16::MAX),
             );
         }
-        if self.peers.len() > u16::MAX as usize {
-            return config("peers", format!("more than {} peers", u16::MAX));
+        if self.peers.len() > self.members_max {
+            return config(
+                "peers",
+                format!("more than `members_max` ({}) peers", self.members_max),
+            );
+        }
+        if self.peers_dns.is_some() && !self.peers.is_empty() {
+            return config(
+                "peers_dns",
+                "set together with `peers`; pick one".to_owned(),
+            );
         }
         let positive: [(&'static str, usize); 5] = [
             ("published_bytes_max", self.published_bytes_max),
@@ -181,7 +217,8 @@ impl P2pConfig {
     }
 
     fn validate_waits(&self) -> Result<(), P2pError> {
-        let waits: [(&'static str, Duration); 7] = [
+        let waits: [(&'static str, Duration); 8] = [
+            ("dns_refresh", self.dns_refresh),
             ("lookup_deadline", self.lookup_deadline),
             ("connect_deadline", self.connect_deadline),
             ("handshake_deadline", self.handshake_deadline),
@@ -280,6 +317,13 @@ mod tests {
         let mut config = base();
         config.secret = Some(b"short".to_vec());
         assert_eq!(field_of(config.validate(1024)), "secret");
+        let mut config = base();
+        config.owners = 4;
+        assert_eq!(field_of(config.validate(1024)), "owners");
+        let mut config = base();
+        config.peers_dns = Some("peers.local:7071".parse().expect("name"));
+        config.peers = vec![config.listen.into()];
+        assert_eq!(field_of(config.validate(1024)), "peers_dns");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use offload_core::ChunkKey;
 
 use crate::error::P2pError;
-use crate::frame::{encode_data_prefix, Frame, FrameHeader, FrameReader, ReadError};
+use crate::frame::{encode_chunk_prefix, Frame, FrameHeader, FrameKind, FrameReader, ReadError};
 
 /// How far past its deadline a read or write may block, in exchange for fewer `setsockopt`
 /// calls while bytes flow.
@@ -150,6 +150,12 @@ impl Conn {
         })
     }
 
+    /// Accepts frame bodies of up to `body_max` bytes from now on (the reader's buffer is
+    /// empty between frames, so nothing is lost).
+    pub(crate) fn set_body_max(&mut self, body_max: usize) {
+        self.frames = FrameReader::new(body_max);
+    }
+
     /// The remote address.
     pub(crate) fn peer(&self) -> SocketAddr {
         self.peer
@@ -198,8 +204,20 @@ impl Conn {
         payload: &[u8],
         op: &'static str,
     ) -> Result<(), P2pError> {
+        self.send_chunk(FrameKind::Data, key, checksum, payload, op)
+    }
+
+    /// Sends one DATA or PUT frame (`kind`), its payload straight from `payload`.
+    pub(crate) fn send_chunk(
+        &mut self,
+        kind: FrameKind,
+        key: ChunkKey,
+        checksum: u64,
+        payload: &[u8],
+        op: &'static str,
+    ) -> Result<(), P2pError> {
         self.out.clear();
-        encode_data_prefix(key, checksum, payload.len(), &mut self.out);
+        encode_chunk_prefix(kind, key, checksum, payload.len(), &mut self.out);
         // One `writev` for header and payload: no lone small segment ahead of each chunk.
         let mut bufs = [io::IoSlice::new(&self.out), io::IoSlice::new(payload)];
         let result = write_all_vectored(&mut self.writer, &mut bufs);

@@ -92,6 +92,14 @@ pub enum P2pError {
         /// The peer's message.
         message: String,
     },
+    /// A peer's name did not resolve (or resolved to no address); the peer counts as down.
+    #[error("resolve {peer}: {source}")]
+    Resolve {
+        /// The peer as configured (`host:port`).
+        peer: String,
+        /// The resolver's error.
+        source: io::Error,
+    },
     /// A background thread could not be started.
     #[error("could not start thread {name}: {source}")]
     Spawn {
@@ -121,7 +129,7 @@ impl P2pError {
             P2pError::Config { .. } => P2pErrorKind::Invalid,
             P2pError::Io { source, .. } => io_kind(source),
             P2pError::Timeout { .. } | P2pError::Spawn { .. } => P2pErrorKind::Transient,
-            P2pError::Closed { .. } => P2pErrorKind::PeerGone,
+            P2pError::Closed { .. } | P2pError::Resolve { .. } => P2pErrorKind::PeerGone,
             P2pError::Frame { .. } => P2pErrorKind::Corrupt,
             P2pError::Refused { .. } | P2pError::Remote { .. } => P2pErrorKind::Refused,
         }

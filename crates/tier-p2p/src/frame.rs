@@ -18,13 +18,16 @@
 //! | NIXL_GET (9) | `u32 count | count keys` |
 //! | NIXL_OFFER (10) | `u32 c | c bytes of NIXL connection metadata | u32 n | n bytes of NIXL metadata of the chunks | u32 count | count × (key | u64 xxh3 | u64 address | u32 length)` |
 //! | NIXL_DONE (11) | empty |
+//! | PUT (12) | `key | u64 xxh3 checksum | payload`, as DATA |
 //!
 //! A GET is answered by one DATA frame per requested key that the server holds, in request
 //! order, then END; keys without a DATA frame are not held. A NIXL_GET is answered by one NIXL_OFFER:
 //! the server agent's connection metadata (empty when the server has no NIXL data plane, which
 //! tells the client to use GET), its metadata for the offered chunks, and where each held key lies in the server's
 //! registered memory; the server keeps those chunks alive and registered until the client's
-//! NIXL_DONE (or its next request, or the connection's end), while the client READs them. The decoder never panics, and a
+//! NIXL_DONE (or its next request, or the connection's end), while the client READs them. A PUT
+//! (a publisher pushing a chunk to one of its key's owners) is answered by END: 1 if the server
+//! verified and stored the chunk, 0 if not. The decoder never panics, and a
 //! [`FrameReader`] never holds a buffer larger than its maximum body size.
 
 use std::io::{self, Read};
@@ -33,8 +36,8 @@ use offload_core::ChunkKey;
 use thiserror::Error;
 
 /// The protocol version this crate speaks; a peer with another version is refused. Version 2
-/// added NIXL_GET, NIXL_OFFER and NIXL_DONE.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// added NIXL_GET, NIXL_OFFER and NIXL_DONE; version 3 added PUT.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// The first bytes of every HELLO body.
 pub const MAGIC: [u8; 4] = *b"KVP2";
 /// Bytes of a frame header: body length (4) and kind (1).
@@ -81,6 +84,8 @@ pub enum FrameKind {
     NixlOffer = 10,
     /// The client finished reading the offered chunks.
     NixlDone = 11,
+    /// Keep this chunk (a push to one of its key's owners).
+    Put = 12,
 }
 
 impl FrameKind {
@@ -98,6 +103,7 @@ impl FrameKind {
             9 => FrameKind::NixlGet,
             10 => FrameKind::NixlOffer,
             11 => FrameKind::NixlDone,
+            12 => FrameKind::Put,
             _ => return None,
         })
     }
@@ -212,6 +218,15 @@ pub enum Frame<'a> {
     },
     /// The client finished reading the offered chunks.
     NixlDone,
+    /// Keep this chunk.
+    Put {
+        /// The chunk's key.
+        key: ChunkKey,
+        /// xxh3-64 of the payload, computed where the chunk was published.
+        checksum: u64,
+        /// The chunk's bytes.
+        payload: &'a [u8],
+    },
 }
 
 impl Frame<'_> {
@@ -229,6 +244,7 @@ impl Frame<'_> {
             Frame::NixlGet(_) => FrameKind::NixlGet,
             Frame::NixlOffer { .. } => FrameKind::NixlOffer,
             Frame::NixlDone => FrameKind::NixlDone,
+            Frame::Put { .. } => FrameKind::Put,
         }
     }
 
@@ -246,6 +262,11 @@ impl Frame<'_> {
             Frame::Have(keys) | Frame::Get(keys) | Frame::NixlGet(keys) => encode_keys(keys, out),
             Frame::HaveReply(flags) => encode_flags(flags, out),
             Frame::Data {
+                key,
+                checksum,
+                payload,
+            }
+            | Frame::Put {
                 key,
                 checksum,
                 payload,
@@ -272,11 +293,36 @@ impl Frame<'_> {
 /// Appends the header and prefix of a DATA frame whose payload (of `payload_len` bytes) the
 /// caller writes next, so that the payload is sent straight from where it lies.
 pub fn encode_data_prefix(key: ChunkKey, checksum: u64, payload_len: usize, out: &mut Vec<u8>) {
+    encode_chunk_prefix(FrameKind::Data, key, checksum, payload_len, out);
+}
+
+/// As [`encode_data_prefix`], for a frame of `kind` (DATA or PUT).
+pub fn encode_chunk_prefix(
+    kind: FrameKind,
+    key: ChunkKey,
+    checksum: u64,
+    payload_len: usize,
+    out: &mut Vec<u8>,
+) {
     let body_len = u32::try_from(DATA_PREFIX_BYTES + payload_len).unwrap_or(u32::MAX);
     out.extend_from_slice(&body_len.to_le_bytes());
-    out.push(FrameKind::Data as u8);
+    out.push(kind as u8);
     encode_key(key, out);
     out.extend_from_slice(&checksum.to_le_bytes());
+}
+
+/// The key and checksum of a DATA or PUT body's first bytes.
+pub fn decode_data_prefix(prefix: &[u8; DATA_PREFIX_BYTES]) -> (ChunkKey, u64) {
+    let mut hash = [0u8; 8];
+    let mut group = [0u8; 4];
+    let mut sum = [0u8; 8];
+    hash.copy_from_slice(&prefix[0..8]);
+    group.copy_from_slice(&prefix[8..12]);
+    sum.copy_from_slice(&prefix[12..20]);
+    (
+        ChunkKey::new(u64::from_le_bytes(hash), u32::from_le_bytes(group)),
+        u64::from_le_bytes(sum),
+    )
 }
 
 fn cut(message: &str) -> &str {
@@ -401,17 +447,25 @@ pub fn decode_body(kind: FrameKind, body: &[u8]) -> Result<Frame<'_>, FrameError
         FrameKind::NixlOffer => decode_offer(&mut cursor)?,
         FrameKind::NixlDone => Frame::NixlDone,
         FrameKind::HaveReply => Frame::HaveReply(decode_flags(&mut cursor)?),
-        FrameKind::Data => {
+        FrameKind::Data | FrameKind::Put => {
             let key = cursor.key()?;
             let checksum = u64::from_le_bytes(cursor.array()?);
             let payload = cursor.rest();
             if payload.is_empty() {
                 return Err(cursor.malformed("empty payload".to_owned()));
             }
-            Frame::Data {
-                key,
-                checksum,
-                payload,
+            if kind == FrameKind::Put {
+                Frame::Put {
+                    key,
+                    checksum,
+                    payload,
+                }
+            } else {
+                Frame::Data {
+                    key,
+                    checksum,
+                    payload,
+                }
             }
         }
         FrameKind::End => Frame::End {

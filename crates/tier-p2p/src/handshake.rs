@@ -136,6 +136,11 @@ fn other_owned(frame: Frame<'_>) -> Frame<'static> {
             chunks,
         },
         Frame::NixlDone => Frame::NixlDone,
+        Frame::Put { key, checksum, .. } => Frame::Put {
+            key,
+            checksum,
+            payload: &[],
+        },
     }
 }
 

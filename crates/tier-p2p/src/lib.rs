@@ -28,12 +28,14 @@ pub mod bench;
 mod client;
 pub mod config;
 mod conn;
+mod directory;
 pub mod error;
 pub mod frame;
 mod handshake;
 mod lookup;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+mod peer;
 mod server;
 mod shared;
 pub mod stats;
@@ -42,7 +44,9 @@ mod tier;
 mod worker;
 
 pub use config::{Namespace, P2pConfig};
+pub use directory::{member_id, owners, DnsPeers, PeerDirectory, StaticPeers};
 pub use error::{P2pError, P2pErrorKind};
+pub use peer::{ParsePeerAddrError, PeerAddr};
 pub use stats::{P2pStats, PeerStatus};
 pub use store::checksum;
 pub use tier::P2pTier;

@@ -1,6 +1,6 @@
 //! The server: an accept thread and one handler thread per connection (at most
 //! `connections_max`), serving HAVE, GET and NIXL_GET from the published-chunk store after a
-//! handshake. Chunks offered for a NIXL READ stay lent to the connection (alive and registered)
+//! handshake, and storing the chunks that publishers PUT (this instance owns their keys). Chunks offered for a NIXL READ stay lent to the connection (alive and registered)
 //! until its next request or its end.
 //! A malformed or oversized frame, a refused handshake or an idle connection closes that
 //! connection with a log line; the server itself keeps running.
@@ -17,11 +17,14 @@ use offload_core::ChunkKey;
 use crate::config::P2pConfig;
 use crate::conn::Conn;
 use crate::error::{P2pError, P2pErrorKind};
-use crate::frame::{Frame, FrameError, FrameKind, NixlChunk, FRAME_BODY_BYTES_MIN, KEY_BYTES};
+use crate::frame::{
+    decode_data_prefix, Frame, FrameError, FrameKind, NixlChunk, DATA_PREFIX_BYTES,
+    FRAME_BODY_BYTES_MIN, KEY_BYTES,
+};
 use crate::handshake;
 use crate::shared::{lock, log, spawn, Shared};
 use crate::stats::add;
-use crate::store::PublishedChunk;
+use crate::store::{checksum, PublishedChunk};
 
 /// How long a refusal of a busy server may take to write.
 const BUSY_WRITE_TIMEOUT: Duration = Duration::from_millis(100);
@@ -232,8 +235,9 @@ fn handle(shared: &Shared, stream: TcpStream, peer: SocketAddr) {
     }
 }
 
-/// The largest frame body a server accepts: a HELLO, or a request of `keys_per_request_max`
-/// keys. Servers never receive DATA, so a client cannot make one hold a large buffer.
+/// The largest frame body a server accepts, but for PUT: a HELLO, or a request of
+/// `keys_per_request_max` keys. A PUT (after the handshake only) may carry a chunk of up to
+/// `frame_body_bytes_max`; its payload is read straight into the chunk's own buffer.
 fn request_body_max(config: &P2pConfig) -> usize {
     let request = config.keys_per_request_max.saturating_mul(KEY_BYTES) + 4;
     request.max(FRAME_BODY_BYTES_MIN)
@@ -241,13 +245,37 @@ fn request_body_max(config: &P2pConfig) -> usize {
 
 fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Result<(), P2pError> {
     let config = &shared.config;
-    let mut conn = Conn::new(stream, peer, request_body_max(config))?;
+    let request_max = request_body_max(config);
+    let mut conn = Conn::new(stream, peer, request_max)?;
     handshake::server(&mut conn, &shared.identity, config.handshake_deadline)?;
+    conn.set_body_max(config.frame_body_bytes_max.max(request_max));
     // Chunks offered by the last NIXL_OFFER: the client READs them until its next request.
     let mut lent: Vec<Arc<PublishedChunk>> = Vec::new();
     loop {
         conn.set_timeout(config.idle_timeout);
-        let request = match conn.recv("receive request") {
+        let header = match conn.recv_header("receive request") {
+            Ok(header) => header,
+            Err(error) => return Err(tell(&mut conn, error)),
+        };
+        if header.kind == FrameKind::Put {
+            lent.clear();
+            let stored = receive_put(shared, &mut conn, header.body_len)?;
+            let sent = u32::from(stored);
+            conn.send(&Frame::End { sent }, "send PUT answer")?;
+            continue;
+        }
+        if header.body_len > request_max {
+            let error = P2pError::Frame {
+                op: "receive request",
+                peer,
+                source: FrameError::Oversized {
+                    len: header.body_len as u64,
+                    max: request_max,
+                },
+            };
+            return Err(tell(&mut conn, error));
+        }
+        let request = match conn.recv_body(header, "receive request") {
             Ok(Frame::Have(keys)) => Request::Have(keys),
             Ok(Frame::Get(keys)) => Request::Get(keys),
             Ok(Frame::NixlGet(keys)) => Request::NixlGet(keys),
@@ -286,7 +314,7 @@ fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Result<(), P2p
                     op: "receive request",
                     peer,
                     source: FrameError::Unexpected {
-                        expected: "HAVE, GET, NIXL_GET or NIXL_DONE",
+                        expected: "HAVE, GET, NIXL_GET, NIXL_DONE or PUT",
                         found,
                     },
                 };
@@ -398,6 +426,45 @@ fn offer(shared: &Shared, keys: &[ChunkKey], lent: &mut Vec<Arc<PublishedChunk>>
 #[cfg(not(feature = "nixl"))]
 fn offer(_shared: &Shared, _keys: &[ChunkKey], _lent: &mut Vec<Arc<PublishedChunk>>) -> Offer {
     Offer::default()
+}
+
+/// Receives a PUT body of `body_len` bytes (its header read): verifies the payload against its
+/// checksum and publishes it here. Whether it was stored (a mismatch or a chunk larger than
+/// `published_bytes_max` is not).
+fn receive_put(shared: &Shared, conn: &mut Conn, body_len: usize) -> Result<bool, P2pError> {
+    if body_len <= DATA_PREFIX_BYTES {
+        let error = P2pError::Frame {
+            op: "receive PUT",
+            peer: conn.peer(),
+            source: FrameError::Malformed {
+                kind: FrameKind::Put,
+                reason: format!("body of {body_len} bytes"),
+            },
+        };
+        return Err(tell(conn, error));
+    }
+    let mut prefix = [0u8; DATA_PREFIX_BYTES];
+    conn.read_exact(&mut prefix, "receive PUT")?;
+    let (key, sum) = decode_data_prefix(&prefix);
+    let mut bytes = vec![0u8; body_len - DATA_PREFIX_BYTES].into_boxed_slice();
+    conn.read_exact(&mut bytes, "receive PUT payload")?;
+    if checksum(&bytes) != sum {
+        add(&shared.counters.checksum_mismatches, 1);
+        log(format_args!(
+            "peer {} pushed {key:?} with a checksum mismatch; not stored",
+            conn.peer()
+        ));
+        return Ok(false);
+    }
+    let inserted = lock(&shared.store).insert(key, PublishedChunk::new(bytes, sum));
+    match inserted {
+        Ok(evicted) => {
+            add(&shared.counters.evictions, evicted as u64);
+            add(&shared.counters.chunks_received, 1);
+            Ok(true)
+        }
+        Err(_) => Ok(false),
+    }
 }
 
 /// Answers a GET: one DATA frame per held key, in request order, then END.

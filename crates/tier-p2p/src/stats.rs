@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::peer::PeerAddr;
+
 /// A snapshot of the tier's counters (all since creation).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct P2pStats {
@@ -31,6 +33,12 @@ pub struct P2pStats {
     pub chunks_fetched_nixl: u64,
     /// Chunks this instance's server offered for a NIXL READ (feature `nixl`).
     pub chunks_offered_nixl: u64,
+    /// Chunks pushed to their keys' owners after a publish (PUT answered as stored).
+    pub chunks_pushed: u64,
+    /// Pushes that failed or were refused, or not sent because the queue was full.
+    pub push_failures: u64,
+    /// Chunks peers pushed here (PUT) and this instance stored.
+    pub chunks_received: u64,
     /// Chunks this instance's server sent.
     pub chunks_served: u64,
     /// Bytes this instance's server sent.
@@ -62,6 +70,9 @@ pub(crate) struct Counters {
     pub(crate) bytes_fetched: AtomicU64,
     pub(crate) chunks_fetched_nixl: AtomicU64,
     pub(crate) chunks_offered_nixl: AtomicU64,
+    pub(crate) chunks_pushed: AtomicU64,
+    pub(crate) push_failures: AtomicU64,
+    pub(crate) chunks_received: AtomicU64,
     pub(crate) chunks_served: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) checksum_mismatches: AtomicU64,
@@ -94,6 +105,9 @@ impl Counters {
             bytes_fetched: get(&self.bytes_fetched),
             chunks_fetched_nixl: get(&self.chunks_fetched_nixl),
             chunks_offered_nixl: get(&self.chunks_offered_nixl),
+            chunks_pushed: get(&self.chunks_pushed),
+            push_failures: get(&self.push_failures),
+            chunks_received: get(&self.chunks_received),
             chunks_served: get(&self.chunks_served),
             bytes_served: get(&self.bytes_served),
             checksum_mismatches: get(&self.checksum_mismatches),
@@ -106,11 +120,13 @@ impl Counters {
     }
 }
 
-/// One configured peer as the client side sees it.
+/// One current member as the client side sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerStatus {
-    /// The peer's address.
-    pub addr: SocketAddr,
+    /// The peer as the directory names it.
+    pub peer: PeerAddr,
+    /// The address it was last connected at (resolved from `peer`), if ever.
+    pub addr: Option<SocketAddr>,
     /// Whether a handshaken connection is open now.
     pub connected: bool,
     /// Failures since the last success (0 when healthy); it is retried after a backoff that

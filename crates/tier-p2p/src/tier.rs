@@ -18,6 +18,7 @@ use offload_core::{ChunkKey, JobId, RequestId};
 
 use crate::client::{Client, ClientCommand, LookupAnswer};
 use crate::config::P2pConfig;
+use crate::directory::{DnsPeers, PeerDirectory, StaticPeers};
 use crate::error::P2pError;
 use crate::handshake::Identity;
 use crate::lookup::{Found, LookupTable};
@@ -31,6 +32,8 @@ use crate::worker::{published, run_local, Control, LocalCommand, Work};
 const DRAIN_CHECK: Duration = Duration::from_millis(100);
 /// Lookup batches that may wait for the client worker.
 const LOOKUP_BATCHES_MAX: usize = 64;
+/// Push commands (one per store job) that may wait for the client worker; more are not pushed.
+const PUSH_BATCHES_MAX: usize = 64;
 
 /// Which worker runs a job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,9 +79,12 @@ impl<C> Worker<C> {
 ///   own bounded store (LRU, `published_bytes_max`), with its xxh3 checksum, and served from
 ///   there. Not from the slots: the host pool reuses a slot once its chunk is evicted, without
 ///   telling secondary tiers, so serving slots in place could send a peer another chunk's bytes.
-/// * `lookup` answers `Hit` at once for a key published here; otherwise it asks every peer (one
-///   HAVE per peer per `poll`), answering `Retry` until they reply, then `Hit` or `Miss`, and
-///   `Miss` after `lookup_deadline`. Answers are reused for `lookup_cache_ttl`.
+///   After a successful store, the chunks are also pushed to their keys' owners among the
+///   peers (best effort, off the job's path), so that lookups that ask only owners find them.
+/// * `lookup` answers `Hit` at once for a key published here; otherwise it asks the key's
+///   owners among the current members (at most `owners` peers; one HAVE per owner per `poll`),
+///   answering `Retry` until they reply, then `Hit` or `Miss`, and `Miss` after
+///   `lookup_deadline`. Answers are reused for `lookup_cache_ttl`.
 /// * `Load` copies chunks published here, and fetches the others from peers (one GET per peer
 ///   for all the job's missing chunks, the peer a lookup named first) straight into the slots,
 ///   verifying each checksum. The job fails the keys not loaded by `fetch_deadline` after
@@ -98,15 +104,58 @@ pub struct P2pTier {
     held: HashMap<JobId, Held>,
     ready: Vec<TierCompletion>,
     lookups: LookupTable,
-    status: Arc<Mutex<Vec<PeerStatus>>>,
+    status: Arc<Mutex<Vec<Option<PeerStatus>>>>,
+    /// No directory could ever name a peer (an empty static list): every lookup misses at once.
+    no_peers: bool,
+    /// The directory is the static list, so the member count the client reported at start is
+    /// exact (a push that it says is not needed is not queued).
+    static_members: bool,
     shut_down: bool,
 }
 
 impl P2pTier {
-    /// Checks `config`, binds the server and starts the worker threads.
+    /// Checks `config`, binds the server and starts the worker threads, with the directory the
+    /// config names: [`DnsPeers`] of `peers_dns`, else [`StaticPeers`] of `peers`.
     pub fn new(config: P2pConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, P2pError> {
+        config.validate(memory.slot_bytes())?;
+        let no_peers = config.peers.is_empty() && config.peers_dns.is_none();
+        let directory: Box<dyn PeerDirectory> = match &config.peers_dns {
+            Some(name) => Box::new(DnsPeers::start(
+                name.clone(),
+                config.dns_refresh,
+                config.connect_deadline,
+            )?),
+            None => Box::new(StaticPeers::new(config.peers.clone())),
+        };
+        let static_members = config.peers_dns.is_none();
+        Self::start(config, memory, directory, no_peers, static_members)
+    }
+
+    /// As [`P2pTier::new`], with the members given by `directory` (`peers` and `peers_dns`
+    /// must be unset).
+    pub fn with_directory(
+        config: P2pConfig,
+        memory: Arc<dyn SlotMemory>,
+        directory: Box<dyn PeerDirectory>,
+    ) -> Result<Self, P2pError> {
+        config.validate(memory.slot_bytes())?;
+        if !config.peers.is_empty() || config.peers_dns.is_some() {
+            return Err(P2pError::Config {
+                field: "peers",
+                reason: "set together with a directory; pick one".to_owned(),
+            });
+        }
+        Self::start(config, memory, directory, false, false)
+    }
+
+    fn start(
+        config: P2pConfig,
+        memory: Arc<dyn SlotMemory>,
+        directory: Box<dyn PeerDirectory>,
+        no_peers: bool,
+        static_members: bool,
+    ) -> Result<Self, P2pError> {
         let slot_bytes = memory.slot_bytes();
-        config.validate(slot_bytes)?;
         let shared = Arc::new(Shared {
             identity: Identity {
                 namespace: config.namespace.as_bytes().to_vec(),
@@ -122,24 +171,16 @@ impl P2pTier {
         let server = Server::start(Arc::clone(&shared))?;
         let port = server.addr().port();
         let control = Arc::new(Control::default());
-        let status = Arc::new(Mutex::new(
-            config
-                .peers
-                .iter()
-                .map(|&addr| PeerStatus {
-                    addr,
-                    connected: false,
-                    consecutive_failures: 0,
-                    last_error: None,
-                })
-                .collect(),
-        ));
+        let status = Arc::new(Mutex::new(Vec::new()));
+        let mut self_names = vec![server.addr().into()];
+        self_names.extend(config.advertise.clone());
         // Every completion belongs to an accepted job, of which there are at most
         // `jobs_in_flight_max`; every answer to a queued lookup batch.
         let (done_tx, done) = unbounded();
         let (answers_tx, answers) = unbounded();
         let (local_tx, local_rx) = bounded(config.jobs_in_flight_max);
-        let (client_tx, client_rx) = bounded(config.jobs_in_flight_max + LOOKUP_BATCHES_MAX);
+        let (client_tx, client_rx) =
+            bounded(config.jobs_in_flight_max + LOOKUP_BATCHES_MAX + PUSH_BATCHES_MAX);
         let local_thread = {
             let (shared, memory, control) = (
                 Arc::clone(&shared),
@@ -155,6 +196,8 @@ impl P2pTier {
             Arc::clone(&shared),
             Arc::clone(&memory),
             Arc::clone(&control),
+            directory,
+            self_names,
             Arc::clone(&status),
             client_rx,
         );
@@ -193,6 +236,8 @@ impl P2pTier {
             ready: Vec::new(),
             lookups,
             status,
+            no_peers,
+            static_members,
             shut_down: false,
             shared,
         })
@@ -216,9 +261,10 @@ impl P2pTier {
             .snapshot(store.len() as u64, store.bytes() as u64)
     }
 
-    /// Each configured peer's connection state, in configured order.
+    /// Each current member's connection state (as of the client worker's last look at the
+    /// directory), in slot order (the configured order, for a static list that never changed).
     pub fn peer_status(&self) -> Vec<PeerStatus> {
-        lock(&self.status).clone()
+        lock(&self.status).iter().flatten().cloned().collect()
     }
 
     /// Whether `key` is published here (servable to peers now).
@@ -266,6 +312,9 @@ impl P2pTier {
         };
         debug_assert!(completion.failed.iter().all(|k| held.keys.contains(k)));
         self.control.forget(completion.id);
+        if held.op == TierOp::Store {
+            self.push(held.keys, &completion.failed);
+        }
         if held.op == TierOp::Load {
             add(
                 &self.shared.counters.load_keys_failed,
@@ -276,6 +325,31 @@ impl P2pTier {
             }
         }
         self.ready.push(completion);
+    }
+
+    /// Queues a push of the chunks just published (`keys` less `failed`) to their owners; when
+    /// the client's queue is full they are not pushed (counted as push failures).
+    fn push(&self, mut keys: Vec<ChunkKey>, failed: &[ChunkKey]) {
+        keys.retain(|k| !failed.contains(k));
+        if keys.is_empty()
+            || self.no_peers
+            || self.control.shutting_down()
+            || (self.static_members && !self.control.push_needed(self.shared.config.owners))
+        {
+            return;
+        }
+        let Some(commands) = &self.client.commands else {
+            return;
+        };
+        let count = keys.len() as u64;
+        if !self.control.start_push(PUSH_BATCHES_MAX) {
+            add(&self.shared.counters.push_failures, count);
+            return;
+        }
+        if commands.try_send(ClientCommand::Push(keys)).is_err() {
+            self.control.end_push();
+            add(&self.shared.counters.push_failures, count);
+        }
     }
 
     /// Takes every completion the workers queued.
@@ -396,7 +470,7 @@ impl Tier for P2pTier {
         if published(&self.shared, key) {
             return TierLookup::Hit;
         }
-        if self.shared.config.peers.is_empty() || self.shut_down {
+        if self.no_peers || self.shut_down {
             return TierLookup::Miss;
         }
         self.take_answers();

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Shutdown, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -35,10 +35,41 @@ pub(crate) struct Work {
 pub(crate) struct Control {
     cancelled: Mutex<HashSet<JobId>>,
     shutting_down: AtomicBool,
+    /// Push commands queued for the client worker and not yet done.
+    pushes_queued: AtomicUsize,
+    /// Peers in the member set, as of the client worker's last look at the directory.
+    member_count: AtomicUsize,
     sockets: Mutex<HashMap<usize, TcpStream>>,
 }
 
 impl Control {
+    /// Records the size of the member set.
+    pub(crate) fn set_member_count(&self, count: usize) {
+        self.member_count.store(count, Ordering::SeqCst);
+    }
+
+    /// Whether some member does not own every key (with `owners` owners per key): only then
+    /// must a publish push its chunks, since otherwise every lookup asks every member,
+    /// this one included.
+    pub(crate) fn push_needed(&self, owners: usize) -> bool {
+        self.member_count.load(Ordering::SeqCst) > owners
+    }
+
+    /// Counts a push command about to be queued, unless `max` are queued already.
+    pub(crate) fn start_push(&self, max: usize) -> bool {
+        let queued = self.pushes_queued.fetch_add(1, Ordering::SeqCst);
+        if queued < max {
+            return true;
+        }
+        self.pushes_queued.fetch_sub(1, Ordering::SeqCst);
+        false
+    }
+
+    /// Counts a push command done (or not queued after all).
+    pub(crate) fn end_push(&self) {
+        self.pushes_queued.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// Asks job `id` to stop early.
     pub(crate) fn cancel(&self, id: JobId) {
         lock(&self.cancelled).insert(id);

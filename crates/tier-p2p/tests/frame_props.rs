@@ -21,7 +21,7 @@ fn key() -> impl Strategy<Value = ChunkKey> {
 /// Any valid frame that fits `BODY_MAX`; DATA payloads are owned by the strategy's output.
 fn frame() -> impl Strategy<Value = (u8, Vec<ChunkKey>, Vec<bool>, Vec<u8>, u64)> {
     (
-        1u8..=11,
+        1u8..=12,
         prop::collection::vec(key(), 0..64),
         prop::collection::vec(any::<bool>(), 0..300),
         prop::collection::vec(any::<u8>(), 1..512),
@@ -65,6 +65,11 @@ fn build<'a>(
                 .collect(),
         },
         11 => Frame::NixlDone,
+        12 => Frame::Put {
+            key: keys.first().copied().unwrap_or(ChunkKey::new(*number, 0)),
+            checksum: *number,
+            payload: bytes,
+        },
         // At most 300 bytes, so that lossy conversion stays under the 1024-byte message limit.
         _ => Frame::Error(String::from_utf8_lossy(&bytes[..bytes.len().min(300)]).into_owned()),
     }

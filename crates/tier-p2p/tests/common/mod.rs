@@ -19,7 +19,7 @@ pub fn namespace() -> Namespace {
 /// A loopback configuration on a free port with short deadlines, talking to `peers`.
 pub fn config(peers: Vec<SocketAddr>) -> P2pConfig {
     let mut config = P2pConfig::new(namespace());
-    config.peers = peers;
+    config.peers = peers.into_iter().map(Into::into).collect();
     config.lookup_deadline = Duration::from_secs(2);
     config.lookup_cache_ttl = Duration::ZERO;
     config.fetch_deadline = Duration::from_secs(5);
@@ -226,6 +226,11 @@ impl Raw {
                 chunks,
             },
             Frame::NixlDone => Frame::NixlDone,
+            Frame::Put { key, checksum, .. } => Frame::Put {
+                key,
+                checksum,
+                payload: &[],
+            },
         })
     }
 
