@@ -195,14 +195,25 @@ pub fn config_for_instance(base: &ConnectorConfig, i: usize, ports: [u16; 2]) ->
     for tier in &mut config.secondary_tiers {
         match tier {
             TierSpec::Fs(fs) => fs.root_dir = fs.root_dir.join(format!("instance-{i}")),
-            TierSpec::P2p(p2p) => {
-                if p2p.listen.is_none() {
-                    p2p.listen = Some(format!("127.0.0.1:{}", ports[i]));
+            TierSpec::P2p(p2p) => match (&p2p.listen, p2p.peers.as_slice()) {
+                // One engine's view of a pair (it listens here, its peer there): instance 0
+                // takes it as written, instance 1 its mirror image.
+                (Some(listen), [peer]) => {
+                    if i == 1 {
+                        let (listen, peer) = (listen.clone(), peer.clone());
+                        p2p.listen = Some(peer);
+                        p2p.peers = vec![listen];
+                    }
                 }
-                if p2p.peers.is_empty() {
-                    p2p.peers = vec![format!("127.0.0.1:{}", ports[1 - i])];
+                _ => {
+                    if p2p.listen.is_none() {
+                        p2p.listen = Some(format!("127.0.0.1:{}", ports[i]));
+                    }
+                    if p2p.peers.is_empty() {
+                        p2p.peers = vec![format!("127.0.0.1:{}", ports[1 - i])];
+                    }
                 }
-            }
+            },
         }
     }
     config
@@ -292,6 +303,50 @@ mod tests {
                 assert_eq!(p.peers, ["127.0.0.1:10"]);
             }
             other => panic!("unexpected tiers {other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_engines_view_of_a_pair_is_mirrored_for_the_second_instance() {
+        let base = ConnectorConfig::from_toml_str(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = \"p2p\", \
+             listen = \"127.0.0.1:7070\", peers = [\"127.0.0.1:7071\"] }]\n",
+        )
+        .unwrap();
+        let p2p = |i| match &config_for_instance(&base, i, [10, 20]).secondary_tiers[0] {
+            TierSpec::P2p(p) => (p.listen.clone().unwrap(), p.peers.clone()),
+            other => panic!("unexpected tier {other:?}"),
+        };
+        assert_eq!(
+            p2p(0),
+            ("127.0.0.1:7070".into(), vec!["127.0.0.1:7071".into()])
+        );
+        assert_eq!(
+            p2p(1),
+            ("127.0.0.1:7071".into(), vec!["127.0.0.1:7070".into()])
+        );
+    }
+
+    /// The README's sample configuration parses and resolves as printed there.
+    #[test]
+    fn the_readme_sample_config_resolves_as_printed() {
+        let readme = include_str!("../../../README.md");
+        let start = readme
+            .find("    cpu_bytes_to_use = 1073741824")
+            .expect("the README's sample config");
+        let end = start + readme[start..].find("\n    ]\n").expect("its end") + 7;
+        let text: String = readme[start..end]
+            .lines()
+            .map(|l| l.strip_prefix("    ").unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join("\n");
+        let config = ConnectorConfig::from_toml_str(&text).expect("the sample parses");
+        assert_eq!(config.secondary_tiers.len(), 2);
+        for i in 0..2 {
+            let engine = connector::config::EngineGeometry::new("m", 16, 1 << 20);
+            config_for_instance(&config, i, [10, 20])
+                .resolve(&engine)
+                .unwrap_or_else(|e| panic!("instance {i}: {e}"));
         }
     }
 }
