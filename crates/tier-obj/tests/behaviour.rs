@@ -25,7 +25,7 @@ fn memory() -> Arc<VecSlotMemory> {
 }
 
 fn key(i: u64) -> ChunkKey {
-    ChunkKey::new(0xC0FFEE_0000 + i, (i % 3) as u32)
+    ChunkKey::new(0x00C0_FFEE_0000 + i, (i % 3) as u32)
 }
 
 fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {

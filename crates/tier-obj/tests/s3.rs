@@ -200,10 +200,10 @@ fn round_trip_and_restart(addr: SocketAddr) {
     tier.submit(job(2, TierOp::Load, loads)).expect("submit");
     let done = wait(&mut tier, 2);
     assert!(done.is_success(), "S3 load failed keys {:?}", done.failed);
-    for i in 0..4 {
+    for (i, &len) in lens.iter().enumerate() {
         assert_eq!(
-            mem.contents(SlotId(4 + i as u32))[..lens[i] as usize],
-            mem.contents(SlotId(i as u32))[..lens[i] as usize],
+            mem.contents(SlotId(4 + i as u32))[..len as usize],
+            mem.contents(SlotId(i as u32))[..len as usize],
             "chunk {i} differs after store, restart and load through S3"
         );
     }
