@@ -143,7 +143,8 @@ pub struct ObjTierConfig {
     pub list_deadline: Duration,
     /// Records of more bytes than this are uploaded in parts (S3 needs at least 5 MiB per part).
     pub multipart_threshold_bytes: usize,
-    /// Bytes per part of a multipart upload (the last part may be shorter).
+    /// Bytes per part of a multipart upload (the last part may be shorter). S3 refuses parts
+    /// under 5 MiB but the last; the memory and local backends take any size.
     pub part_bytes: usize,
     /// Threads of the tier's own async runtime.
     pub runtime_threads: usize,

@@ -448,6 +448,8 @@ impl ObjTier {
         config.validate()?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.runtime_threads)
+            // The local backend's file calls and DNS lookups run here: no more than requests.
+            .max_blocking_threads(config.requests_in_flight_max)
             .thread_name("kvtier-obj")
             .enable_all()
             .build()
