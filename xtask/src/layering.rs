@@ -17,7 +17,7 @@ use crate::Error;
 pub const CORE: &str = "offload-core";
 
 /// The tier crates: siblings that implement the `Tier` trait and never depend on each other.
-pub const TIER_CRATES: &[&str] = &["tier-gpu", "tier-fs", "tier-p2p"];
+pub const TIER_CRATES: &[&str] = &["tier-gpu", "tier-fs", "tier-p2p", "tier-obj"];
 
 /// Crates at the very top that no other crate may depend on.
 pub const TOP_CRATES: &[&str] = &["xtask", "kvtier-tests"];
@@ -99,6 +99,12 @@ pub const RULES: &[CrateRule] = &[
     },
     CrateRule {
         name: "tier-p2p",
+        deps: &["offload-core"],
+        dev_deps: &["tier-testkit"],
+        rule: "tier crates depend only on offload-core (and on tier-testkit as a dev-dependency)",
+    },
+    CrateRule {
+        name: "tier-obj",
         deps: &["offload-core"],
         dev_deps: &["tier-testkit"],
         rule: "tier crates depend only on offload-core (and on tier-testkit as a dev-dependency)",

@@ -1,0 +1,678 @@
+//! `ObjTier`: the [`Tier`] over an object store. The engine-facing calls only touch in-memory
+//! state (the index of present keys, the table of jobs in flight, a completion channel); each
+//! accepted job runs as a task on the tier's own small tokio runtime, one object request per
+//! chunk, at most `requests_in_flight_max` requests at once over all jobs, each with a deadline.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::{join_all, select, try_join_all, Either};
+use futures_util::StreamExt;
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use offload_core::event::Medium;
+use offload_core::tier::{
+    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+};
+use offload_core::{ChunkKey, JobId, RequestId, SlotId};
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+
+use crate::config::ObjTierConfig;
+use crate::error::ObjError;
+use crate::record::{self, file_bytes, FormatError};
+
+/// How long aborting a failed multipart upload or deleting a corrupt object may take.
+const CLEANUP_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The object name of `key` inside the namespace prefix: `<hash as 16 hex digits>-<group>`.
+pub fn object_name(key: ChunkKey) -> String {
+    format!("{:016x}-{}", key.hash, key.group)
+}
+
+/// The key an object name stands for, if it is exactly [`object_name`] of some key.
+pub fn parse_object_name(name: &str) -> Option<ChunkKey> {
+    let (hash, group) = name.split_once('-')?;
+    let key = ChunkKey::new(
+        u64::from_str_radix(hash, 16).ok()?,
+        group.parse::<u32>().ok()?,
+    );
+    (object_name(key) == name).then_some(key)
+}
+
+/// Counters of the tier's work since it started (a snapshot).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ObjStats {
+    /// Keys found by the start-up listing.
+    pub keys_listed: u64,
+    /// Chunks stored (a put or multipart upload completed).
+    pub chunks_stored: u64,
+    /// Stores of keys already present, answered without a request.
+    pub stores_skipped: u64,
+    /// Stores uploaded in parts.
+    pub multipart_uploads: u64,
+    /// Chunks loaded and verified.
+    pub chunks_loaded: u64,
+    /// Loads of keys the store does not hold.
+    pub load_misses: u64,
+    /// Loads whose object failed verification (the object is deleted).
+    pub corrupt: u64,
+    /// Requests past their deadline.
+    pub timeouts: u64,
+    /// Requests the store answered with an error (other than "not found").
+    pub request_errors: u64,
+    /// Chunks failed because their job was cancelled first.
+    pub cancelled: u64,
+    /// Record bytes uploaded.
+    pub bytes_stored: u64,
+    /// Record bytes downloaded.
+    pub bytes_loaded: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    keys_listed: AtomicU64,
+    chunks_stored: AtomicU64,
+    stores_skipped: AtomicU64,
+    multipart_uploads: AtomicU64,
+    chunks_loaded: AtomicU64,
+    load_misses: AtomicU64,
+    corrupt: AtomicU64,
+    timeouts: AtomicU64,
+    request_errors: AtomicU64,
+    cancelled: AtomicU64,
+    bytes_stored: AtomicU64,
+    bytes_loaded: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
+}
+
+impl Counters {
+    fn snapshot(&self) -> ObjStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ObjStats {
+            keys_listed: get(&self.keys_listed),
+            chunks_stored: get(&self.chunks_stored),
+            stores_skipped: get(&self.stores_skipped),
+            multipart_uploads: get(&self.multipart_uploads),
+            chunks_loaded: get(&self.chunks_loaded),
+            load_misses: get(&self.load_misses),
+            corrupt: get(&self.corrupt),
+            timeouts: get(&self.timeouts),
+            request_errors: get(&self.request_errors),
+            cancelled: get(&self.cancelled),
+            bytes_stored: get(&self.bytes_stored),
+            bytes_loaded: get(&self.bytes_loaded),
+        }
+    }
+}
+
+/// A job's cancellation: a flag for chunks not started, a notification for requests under way.
+#[derive(Default)]
+struct Cancel {
+    flag: AtomicBool,
+    notify: Notify,
+}
+
+impl Cancel {
+    fn cancel(&self) {
+        self.flag.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+}
+
+/// Why one chunk's request did not finish.
+enum Stop {
+    Deadline,
+    Cancelled,
+}
+
+/// What the job tasks share with the engine-facing side.
+struct Shared {
+    store: Arc<dyn ObjectStore>,
+    memory: Arc<dyn SlotMemory>,
+    /// `<prefix>/<namespace hash>`.
+    dir: Path,
+    /// Keys whose objects are known to be present (stored here, or listed at start).
+    index: Mutex<HashSet<ChunkKey>>,
+    requests: Semaphore,
+    request_deadline: Duration,
+    multipart_threshold_bytes: usize,
+    part_bytes: usize,
+    /// Jobs whose completion is not yet queued; `drain` waits for zero.
+    running: Mutex<usize>,
+    idle: Condvar,
+    completions: SyncSender<TierCompletion>,
+    counters: Counters,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panicking job task cannot leave the index or counter half-updated (single operations).
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Shared {
+    fn path_of(&self, key: ChunkKey) -> Path {
+        self.dir.clone().join(object_name(key))
+    }
+
+    /// Runs `fut` until it finishes, the deadline passes, or the job is cancelled.
+    async fn bounded<T>(
+        &self,
+        fut: impl Future<Output = T>,
+        deadline: Instant,
+        cancel: &Cancel,
+    ) -> Result<T, Stop> {
+        let notified = cancel.notify.notified();
+        let mut notified = std::pin::pin!(notified);
+        notified.as_mut().enable();
+        if cancel.is_cancelled() {
+            return Err(Stop::Cancelled);
+        }
+        let timed = std::pin::pin!(tokio::time::timeout_at(deadline, fut));
+        match select(timed, notified).await {
+            Either::Left((Ok(value), _)) => Ok(value),
+            Either::Left((Err(_elapsed), _)) => Err(Stop::Deadline),
+            Either::Right(((), _)) => Err(Stop::Cancelled),
+        }
+    }
+
+    fn count_stop(&self, stop: &Stop) {
+        match stop {
+            Stop::Deadline => bump(&self.counters.timeouts, 1),
+            Stop::Cancelled => bump(&self.counters.cancelled, 1),
+        }
+    }
+
+    /// One chunk of a job; true when it succeeded.
+    async fn chunk(
+        &self,
+        op: TierOp,
+        key: ChunkKey,
+        slot: SlotId,
+        len: u32,
+        cancel: &Cancel,
+    ) -> bool {
+        let permit_deadline = Instant::now() + self.request_deadline;
+        let permit = match self
+            .bounded(self.requests.acquire(), permit_deadline, cancel)
+            .await
+        {
+            Ok(Ok(permit)) => permit,
+            Ok(Err(_closed)) => return false,
+            Err(stop) => {
+                self.count_stop(&stop);
+                return false;
+            }
+        };
+        let deadline = Instant::now() + self.request_deadline;
+        let ok = match op {
+            TierOp::Store => self.store_chunk(key, slot, len, deadline, cancel).await,
+            TierOp::Load => self.load_chunk(key, slot, len, deadline, cancel).await,
+        };
+        drop(permit);
+        ok
+    }
+
+    async fn store_chunk(
+        &self,
+        key: ChunkKey,
+        slot: SlotId,
+        len: u32,
+        deadline: Instant,
+        cancel: &Cancel,
+    ) -> bool {
+        if lock(&self.index).contains(&key) {
+            // Content addressing: the same key holds the same bytes.
+            bump(&self.counters.stores_skipped, 1);
+            return true;
+        }
+        let len = len as usize;
+        let mut image = vec![0u8; file_bytes(len as u64) as usize];
+        let (total, _header) = record::encode_into(&mut image, key, len, |dst| {
+            self.memory.read_slot(slot, 0, dst)
+        });
+        image.truncate(total);
+        let data = Bytes::from(image);
+        let path = self.path_of(key);
+        let result = if data.len() > self.multipart_threshold_bytes {
+            self.put_multipart(&path, data.clone(), deadline, cancel)
+                .await
+        } else {
+            let put = self.store.put(&path, PutPayload::from(data.clone()));
+            match self.bounded(put, deadline, cancel).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(Some(e)),
+                Err(stop) => {
+                    self.count_stop(&stop);
+                    Err(None)
+                }
+            }
+        };
+        match result {
+            Ok(()) => {
+                lock(&self.index).insert(key);
+                bump(&self.counters.chunks_stored, 1);
+                bump(&self.counters.bytes_stored, data.len() as u64);
+                true
+            }
+            Err(Some(e)) => {
+                bump(&self.counters.request_errors, 1);
+                tracing::warn!(path = %path, error = %e, "object tier: store failed");
+                false
+            }
+            Err(None) => false,
+        }
+    }
+
+    /// Uploads `data` in parts of `part_bytes`; aborts the upload when a part or the completion
+    /// fails. `Err(None)`: deadline or cancel (counted here).
+    async fn put_multipart(
+        &self,
+        path: &Path,
+        data: Bytes,
+        deadline: Instant,
+        cancel: &Cancel,
+    ) -> Result<(), Option<object_store::Error>> {
+        let started = self.bounded(self.store.put_multipart(path), deadline, cancel);
+        let mut upload = match started.await {
+            Ok(Ok(upload)) => upload,
+            Ok(Err(e)) => return Err(Some(e)),
+            Err(stop) => {
+                self.count_stop(&stop);
+                return Err(None);
+            }
+        };
+        let mut parts = Vec::new();
+        let mut at = 0;
+        while at < data.len() {
+            let end = (at + self.part_bytes).min(data.len());
+            parts.push(upload.put_part(PutPayload::from(data.slice(at..end))));
+            at = end;
+        }
+        let finished = async {
+            try_join_all(parts).await?;
+            upload.complete().await
+        };
+        let outcome = match self.bounded(finished, deadline, cancel).await {
+            Ok(Ok(_)) => {
+                bump(&self.counters.multipart_uploads, 1);
+                return Ok(());
+            }
+            Ok(Err(e)) => Err(Some(e)),
+            Err(stop) => {
+                self.count_stop(&stop);
+                Err(None)
+            }
+        };
+        let abort = tokio::time::timeout(CLEANUP_DEADLINE, upload.abort()).await;
+        if !matches!(abort, Ok(Ok(()))) {
+            tracing::warn!(path = %path, "object tier: aborting a failed multipart upload failed");
+        }
+        outcome
+    }
+
+    async fn load_chunk(
+        &self,
+        key: ChunkKey,
+        slot: SlotId,
+        len: u32,
+        deadline: Instant,
+        cancel: &Cancel,
+    ) -> bool {
+        let path = self.path_of(key);
+        let fetch = async {
+            let got = self.store.get(&path).await?;
+            got.bytes().await
+        };
+        let bytes = match self.bounded(fetch, deadline, cancel).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(object_store::Error::NotFound { .. })) => {
+                bump(&self.counters.load_misses, 1);
+                lock(&self.index).remove(&key);
+                return false;
+            }
+            Ok(Err(e)) => {
+                bump(&self.counters.request_errors, 1);
+                tracing::warn!(path = %path, error = %e, "object tier: load failed");
+                return false;
+            }
+            Err(stop) => {
+                self.count_stop(&stop);
+                return false;
+            }
+        };
+        bump(&self.counters.bytes_loaded, bytes.len() as u64);
+        match record::verify(&bytes, key, u64::from(len)) {
+            Ok(payload) => {
+                self.memory.write_slot(slot, 0, payload);
+                bump(&self.counters.chunks_loaded, 1);
+                true
+            }
+            Err(e) => {
+                self.quarantine(key, &path, &e).await;
+                false
+            }
+        }
+    }
+
+    /// A record that does not verify: fail the key; a damaged object leaves the index and the
+    /// store (a length mismatch is a valid object asked for with another length: kept).
+    async fn quarantine(&self, key: ChunkKey, path: &Path, error: &FormatError) {
+        tracing::warn!(path = %path, error = %error, "object tier: record does not verify");
+        if !error.is_corruption() {
+            return;
+        }
+        bump(&self.counters.corrupt, 1);
+        lock(&self.index).remove(&key);
+        let delete = tokio::time::timeout(CLEANUP_DEADLINE, self.store.delete(path)).await;
+        if !matches!(delete, Ok(Ok(()))) {
+            tracing::warn!(path = %path, "object tier: deleting a corrupt object failed");
+        }
+    }
+
+    /// Queues a job's completion, then counts it as no longer running (so `drain` returning
+    /// means every completion is queued).
+    fn finish(&self, completion: TierCompletion) {
+        // Never full: the channel holds `jobs_in_flight_max`, and a job stays in flight (counted
+        // by `submit`) until `poll` took its completion.
+        if self.completions.try_send(completion).is_err() {
+            tracing::error!("object tier: completion channel full or closed (a bug)");
+        }
+        let mut running = lock(&self.running);
+        *running -= 1;
+        self.idle.notify_all();
+    }
+}
+
+/// Runs one job to its single completion; a panic inside fails every key of the job.
+async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
+    let inner_shared = Arc::clone(&shared);
+    let chunks = job.chunks.clone();
+    let op = job.op;
+    let inner = tokio::spawn(async move {
+        let work = chunks.iter().map(|&(key, slot, len)| {
+            let shared = &inner_shared;
+            let cancel = &cancel;
+            async move { (key, shared.chunk(op, key, slot, len, cancel).await) }
+        });
+        let results = join_all(work).await;
+        results
+            .into_iter()
+            .filter(|&(_, ok)| !ok)
+            .map(|(key, _)| key)
+            .collect::<Vec<_>>()
+    });
+    let failed = match inner.await {
+        Ok(failed) => failed,
+        Err(e) => {
+            tracing::error!(job = job.id.0, error = %e, "object tier: job task failed");
+            job.chunks.iter().map(|&(key, _, _)| key).collect()
+        }
+    };
+    shared.finish(TierCompletion { id: job.id, failed });
+}
+
+/// The object-store tier.
+pub struct ObjTier {
+    shared: Arc<Shared>,
+    runtime: Option<tokio::runtime::Runtime>,
+    completions: Receiver<TierCompletion>,
+    /// Accepted jobs whose completion `poll` has not returned yet.
+    jobs: HashMap<JobId, Arc<Cancel>>,
+    jobs_in_flight_max: usize,
+    shut_down: bool,
+}
+
+impl ObjTier {
+    /// Starts the tier on `store`: its runtime, then a listing of the namespace prefix that
+    /// rebuilds the index of present keys (warm restart), bounded by `list_deadline`.
+    pub fn start(
+        config: ObjTierConfig,
+        store: Arc<dyn ObjectStore>,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Result<Self, ObjError> {
+        config.validate()?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.runtime_threads)
+            // The local backend's file calls and DNS lookups run here: no more than requests.
+            .max_blocking_threads(config.requests_in_flight_max)
+            .thread_name("kvtier-obj")
+            .enable_all()
+            .build()
+            .map_err(ObjError::Runtime)?;
+        let dir = namespace_dir(&config)?;
+        let index = runtime.block_on(list_keys(&store, &dir, config.list_deadline))?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(config.jobs_in_flight_max);
+        let counters = Counters::default();
+        bump(&counters.keys_listed, index.len() as u64);
+        tracing::info!(dir = %dir, keys = index.len(), "object tier started");
+        let shared = Arc::new(Shared {
+            store,
+            memory,
+            dir,
+            index: Mutex::new(index),
+            requests: Semaphore::new(config.requests_in_flight_max),
+            request_deadline: config.request_deadline,
+            multipart_threshold_bytes: config.multipart_threshold_bytes,
+            part_bytes: config.part_bytes,
+            running: Mutex::new(0),
+            idle: Condvar::new(),
+            completions: tx,
+            counters,
+        });
+        Ok(Self {
+            shared,
+            runtime: Some(runtime),
+            completions: rx,
+            jobs: HashMap::new(),
+            jobs_in_flight_max: config.jobs_in_flight_max,
+            shut_down: false,
+        })
+    }
+
+    /// The namespace prefix the objects live under.
+    pub fn dir(&self) -> &Path {
+        &self.shared.dir
+    }
+
+    /// The object path of `key`.
+    pub fn path_of(&self, key: ChunkKey) -> Path {
+        self.shared.path_of(key)
+    }
+
+    /// Keys in the index (present as far as this tier knows).
+    pub fn key_count(&self) -> usize {
+        lock(&self.shared.index).len()
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> ObjStats {
+        self.shared.counters.snapshot()
+    }
+
+    fn validate(&self, job: &TierJob) -> Result<(), SubmitError> {
+        if self.jobs.contains_key(&job.id) {
+            return Err(SubmitError::Invalid(format!(
+                "job id {} is already in flight",
+                job.id.0
+            )));
+        }
+        let slot_count = self.shared.memory.slot_count();
+        let slot_bytes = self.shared.memory.slot_bytes();
+        for &(key, slot, len) in &job.chunks {
+            if slot.0 >= slot_count {
+                return Err(SubmitError::Invalid(format!(
+                    "key {:#x}/{}: slot {} out of range ({slot_count} slots)",
+                    key.hash, key.group, slot.0
+                )));
+            }
+            if len as usize > slot_bytes {
+                return Err(SubmitError::Invalid(format!(
+                    "key {:#x}/{}: length {len} over the slot size {slot_bytes}",
+                    key.hash, key.group
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `<prefix>/<namespace hash as 16 hex digits>`.
+fn namespace_dir(config: &ObjTierConfig) -> Result<Path, ObjError> {
+    let ns = format!("{:016x}", config.namespace.hash());
+    let prefix = config.prefix.trim_matches('/');
+    let text = if prefix.is_empty() {
+        ns
+    } else {
+        format!("{prefix}/{ns}")
+    };
+    Path::parse(&text).map_err(|e| ObjError::Config {
+        what: format!("object prefix {:?}: {e}", config.prefix),
+    })
+}
+
+/// The keys of the chunk objects under `dir` (other names are ignored).
+async fn list_keys(
+    store: &Arc<dyn ObjectStore>,
+    dir: &Path,
+    deadline: Duration,
+) -> Result<HashSet<ChunkKey>, ObjError> {
+    let listing = async {
+        let mut keys = HashSet::new();
+        let mut stream = store.list(Some(dir));
+        while let Some(meta) = stream.next().await {
+            let meta = meta?;
+            let name = meta.location.filename().unwrap_or_default();
+            let parent_ok = meta.location.prefix_match(dir).map(|mut rest| {
+                rest.next();
+                rest.next().is_none()
+            });
+            if parent_ok == Some(true) {
+                if let Some(key) = parse_object_name(name) {
+                    keys.insert(key);
+                }
+            }
+        }
+        Ok::<_, object_store::Error>(keys)
+    };
+    match tokio::time::timeout(deadline, listing).await {
+        Ok(Ok(keys)) => Ok(keys),
+        Ok(Err(source)) => Err(ObjError::Store {
+            op: "list",
+            path: dir.to_string(),
+            source,
+        }),
+        Err(_) => Err(ObjError::Timeout {
+            op: "list",
+            path: dir.to_string(),
+            deadline_ms: u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX),
+        }),
+    }
+}
+
+impl Tier for ObjTier {
+    fn name(&self) -> &str {
+        "obj"
+    }
+
+    fn medium(&self) -> Medium {
+        Medium::Disk
+    }
+
+    fn lookup(&mut self, key: ChunkKey) -> TierLookup {
+        if lock(&self.shared.index).contains(&key) {
+            TierLookup::Hit
+        } else {
+            TierLookup::Miss
+        }
+    }
+
+    fn touch(&mut self, _keys: &[ChunkKey]) {
+        // No eviction here: an object store's own lifecycle rules bound its size.
+    }
+
+    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
+        if self.shut_down {
+            return Err(SubmitError::ShutDown);
+        }
+        self.validate(&job)?;
+        if self.jobs.len() >= self.jobs_in_flight_max {
+            return Err(SubmitError::Busy {
+                in_flight: self.jobs.len(),
+            });
+        }
+        let Some(runtime) = &self.runtime else {
+            return Err(SubmitError::ShutDown);
+        };
+        let cancel = Arc::new(Cancel::default());
+        self.jobs.insert(job.id, Arc::clone(&cancel));
+        *lock(&self.shared.running) += 1;
+        runtime.spawn(run_job(Arc::clone(&self.shared), job, cancel));
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
+        loop {
+            match self.completions.try_recv() {
+                Ok(done) => {
+                    self.jobs.remove(&done.id);
+                    out.push(done);
+                }
+                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return,
+            }
+        }
+    }
+
+    fn cancel(&mut self, id: JobId) {
+        if let Some(cancel) = self.jobs.get(&id) {
+            cancel.cancel();
+        }
+    }
+
+    fn drain(&mut self) {
+        let mut running = lock(&self.shared.running);
+        while *running > 0 {
+            running = self
+                .shared
+                .idle
+                .wait(running)
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        }
+    }
+
+    fn on_request_finished(&mut self, _request: RequestId) {
+        // Per-request state: none.
+    }
+
+    fn shutdown(&mut self) {
+        self.shut_down = true;
+        for cancel in self.jobs.values() {
+            cancel.cancel();
+        }
+        self.drain();
+    }
+}
+
+impl Drop for ObjTier {
+    fn drop(&mut self) {
+        self.shutdown();
+        if let Some(runtime) = self.runtime.take() {
+            // Every job finished (drained above); nothing is left to wait for.
+            runtime.shutdown_background();
+        }
+    }
+}

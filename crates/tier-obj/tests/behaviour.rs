@@ -1,0 +1,300 @@
+//! The object tier's own behaviour beyond the conformance suite: warm restart from a listing,
+//! damaged objects (never served, deleted), request deadlines, `Busy` and cancel of requests
+//! under way, and multipart uploads.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use offload_core::tier::{
+    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+};
+use offload_core::{ChunkKey, JobId, SlotId};
+use tier_obj::object_store::memory::InMemory;
+use tier_obj::object_store::path::Path;
+use tier_obj::object_store::throttle::{ThrottleConfig, ThrottledStore};
+use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use tier_obj::{Backend, ObjTier, ObjTierConfig};
+use tier_testkit::VecSlotMemory;
+
+const SLOT_BYTES: usize = 16 * 1024;
+
+fn memory() -> Arc<VecSlotMemory> {
+    Arc::new(VecSlotMemory::new(32, SLOT_BYTES))
+}
+
+fn key(i: u64) -> ChunkKey {
+    ChunkKey::new(0x00C0_FFEE_0000 + i, (i % 3) as u32)
+}
+
+fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {
+    TierJob {
+        id: JobId(id),
+        request: None,
+        op,
+        chunks,
+    }
+}
+
+/// Polls until `id` completes (10 s at most).
+fn wait(tier: &mut dyn Tier, id: u64) -> TierCompletion {
+    wait_all(tier, &[id]).remove(0)
+}
+
+/// Polls until every job of `ids` completed (10 s at most); their completions in `ids` order.
+fn wait_all(tier: &mut dyn Tier, ids: &[u64]) -> Vec<TierCompletion> {
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut out = Vec::new();
+    loop {
+        tier.poll(&mut out);
+        if ids.iter().all(|&id| out.iter().any(|c| c.id == JobId(id))) {
+            assert_eq!(out.len(), ids.len(), "unexpected completions: {out:?}");
+            out.sort_by_key(|c| ids.iter().position(|&id| c.id == JobId(id)));
+            return out;
+        }
+        assert!(
+            Instant::now() < until,
+            "jobs {ids:?} did not complete within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn block_on<T>(fut: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("test runtime")
+        .block_on(fut)
+}
+
+#[test]
+fn warm_restart_rebuilds_the_index_and_loads_byte_identical() {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let backend = Backend::Local {
+        root: dir.path().to_path_buf(),
+    };
+    let mem = memory();
+    let lens = [SLOT_BYTES as u32, 1, 5000, SLOT_BYTES as u32 - 1];
+    let chunks: Vec<_> = (0..4u32)
+        .map(|i| {
+            mem.fill(SlotId(i), lens[i as usize] as usize, 100 + u64::from(i));
+            (key(u64::from(i)), SlotId(i), lens[i as usize])
+        })
+        .collect();
+    {
+        let store = backend.open().expect("store");
+        let mut tier = common::tier(common::config(), store, mem.clone());
+        tier.submit(job(1, TierOp::Store, chunks.clone()))
+            .expect("submit");
+        assert!(wait(&mut tier, 1).is_success());
+        assert!(
+            tier.stats().multipart_uploads >= 1,
+            "a full slot crosses the threshold"
+        );
+    }
+    // Objects that are not chunks of this namespace are ignored by the listing.
+    let store = backend.open().expect("store");
+    block_on(async {
+        let other = Path::from("kvtier-test/0000000000000001/00000000000000aa-0");
+        store
+            .put(&other, PutPayload::from_static(b"x"))
+            .await
+            .expect("put");
+        let stray = Path::from("kvtier-test/notes.txt");
+        store
+            .put(&stray, PutPayload::from_static(b"x"))
+            .await
+            .expect("put");
+    });
+    let mut tier = common::tier(common::config(), store, mem.clone());
+    let stray_name = tier.dir().clone().join("not-a-key");
+    block_on(tier_obj_put(&backend, &stray_name));
+    assert_eq!(tier.key_count(), 4);
+    assert_eq!(tier.stats().keys_listed, 4);
+    for &(k, _, _) in &chunks {
+        assert_eq!(tier.lookup(k), TierLookup::Hit);
+    }
+    assert_eq!(tier.lookup(key(99)), TierLookup::Miss);
+    let loads: Vec<_> = chunks
+        .iter()
+        .map(|&(k, slot, len)| {
+            mem.fill(SlotId(slot.0 + 16), SLOT_BYTES, 7);
+            (k, SlotId(slot.0 + 16), len)
+        })
+        .collect();
+    tier.submit(job(2, TierOp::Load, loads)).expect("submit");
+    assert!(wait(&mut tier, 2).is_success());
+    for (i, &len) in lens.iter().enumerate() {
+        assert!(
+            mem.matches(SlotId(16 + i as u32), len as usize, 100 + i as u64),
+            "chunk {i} loaded after restart differs"
+        );
+    }
+}
+
+async fn tier_obj_put(backend: &Backend, path: &Path) {
+    let store = backend.open().expect("store");
+    store
+        .put(path, PutPayload::from_static(b"junk"))
+        .await
+        .expect("put");
+}
+
+#[test]
+fn damaged_objects_fail_their_key_and_are_deleted() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let mem = memory();
+    let mut tier = common::tier(common::config(), store.clone(), mem.clone());
+    let chunks: Vec<_> = (0..4u32)
+        .map(|i| {
+            mem.fill(SlotId(i), 6000, 200 + u64::from(i));
+            (key(u64::from(i)), SlotId(i), 6000)
+        })
+        .collect();
+    tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
+    assert!(wait(&mut tier, 1).is_success());
+    let path = |i: u64| tier.path_of(key(i));
+    let (p0, p1, p2) = (path(0), path(1), path(2));
+    block_on(async {
+        // Key 0: one payload bit flipped. Key 1: truncated. Key 2: key 3's record under its name.
+        let good = store.get(&p0).await.unwrap().bytes().await.unwrap();
+        let mut flipped = good.to_vec();
+        flipped[4096 + 1234] ^= 1;
+        store.put(&p0, PutPayload::from(flipped)).await.unwrap();
+        let one = store.get(&p1).await.unwrap().bytes().await.unwrap();
+        store
+            .put(&p1, PutPayload::from(one.slice(..5000)))
+            .await
+            .unwrap();
+        let three = store.get(&path(3)).await.unwrap().bytes().await.unwrap();
+        store.put(&p2, PutPayload::from(three)).await.unwrap();
+    });
+    for slot in 8..12 {
+        mem.fill(SlotId(slot), SLOT_BYTES, 9);
+    }
+    let loads = (0..4u32)
+        .map(|i| (key(u64::from(i)), SlotId(8 + i), 6000))
+        .collect();
+    tier.submit(job(2, TierOp::Load, loads)).expect("submit");
+    let done = wait(&mut tier, 2);
+    assert_eq!(done.failed, vec![key(0), key(1), key(2)]);
+    assert!(
+        mem.matches(SlotId(11), 6000, 203),
+        "the intact key still loads"
+    );
+    for i in 0..3 {
+        assert!(
+            !mem.matches(SlotId(8 + i as u32), 6000, 200 + i),
+            "wrong bytes served"
+        );
+        assert_eq!(
+            tier.lookup(key(i)),
+            TierLookup::Miss,
+            "damaged key {i} left the index"
+        );
+    }
+    assert_eq!(tier.stats().corrupt, 3);
+    block_on(async {
+        for p in [&p0, &p1, &p2] {
+            assert!(
+                store.get(p).await.is_err(),
+                "damaged object {p} was deleted"
+            );
+        }
+    });
+}
+
+#[test]
+fn a_stalled_store_fails_keys_at_the_deadline() {
+    let throttle = ThrottleConfig {
+        wait_put_per_call: Duration::from_secs(60),
+        wait_get_per_call: Duration::from_secs(60),
+        ..ThrottleConfig::default()
+    };
+    let store: Arc<dyn ObjectStore> = Arc::new(ThrottledStore::new(InMemory::new(), throttle));
+    let mem = memory();
+    let config = ObjTierConfig {
+        request_deadline: Duration::from_millis(300),
+        ..common::config()
+    };
+    let mut tier = common::tier(config, store, mem.clone());
+    let started = Instant::now();
+    tier.submit(job(
+        1,
+        TierOp::Store,
+        vec![(key(0), SlotId(0), 100), (key(1), SlotId(1), 100)],
+    ))
+    .expect("submit");
+    tier.submit(job(2, TierOp::Load, vec![(key(2), SlotId(2), 100)]))
+        .expect("submit");
+    let done = wait_all(&mut tier, &[1, 2]);
+    assert_eq!(done[0].failed, vec![key(0), key(1)]);
+    assert_eq!(done[1].failed, vec![key(2)]);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(tier.stats().timeouts, 3);
+    assert_eq!(tier.lookup(key(0)), TierLookup::Miss);
+}
+
+#[test]
+fn busy_when_full_and_cancel_interrupts_requests_under_way() {
+    let throttle = ThrottleConfig {
+        wait_put_per_call: Duration::from_secs(60),
+        ..ThrottleConfig::default()
+    };
+    let store: Arc<dyn ObjectStore> = Arc::new(ThrottledStore::new(InMemory::new(), throttle));
+    let mem = memory();
+    let config = ObjTierConfig {
+        jobs_in_flight_max: 2,
+        request_deadline: Duration::from_secs(30),
+        ..common::config()
+    };
+    let mut tier = common::tier(config, store, mem.clone());
+    tier.submit(job(1, TierOp::Store, vec![(key(0), SlotId(0), 100)]))
+        .expect("first");
+    tier.submit(job(2, TierOp::Store, vec![(key(1), SlotId(1), 100)]))
+        .expect("second");
+    let third = job(3, TierOp::Store, vec![(key(2), SlotId(2), 100)]);
+    assert_eq!(
+        tier.submit(third.clone()),
+        Err(SubmitError::Busy { in_flight: 2 })
+    );
+    let started = Instant::now();
+    tier.cancel(JobId(1));
+    tier.cancel(JobId(2));
+    let done = wait_all(&mut tier, &[1, 2]);
+    assert_eq!(done[0].failed, vec![key(0)]);
+    assert_eq!(done[1].failed, vec![key(1)]);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "cancel waited for the deadline"
+    );
+    assert_eq!(tier.stats().cancelled, 2);
+    tier.submit(third)
+        .expect("room again after the completions were polled");
+    tier.cancel(JobId(3));
+    assert_eq!(wait(&mut tier, 3).failed, vec![key(2)]);
+    // Dropping a tier with a job under way cancels and drains it.
+    tier.submit(job(4, TierOp::Store, vec![(key(3), SlotId(3), 100)]))
+        .expect("fourth");
+    let started = Instant::now();
+    drop(tier);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn bad_configuration_is_refused_by_name() {
+    let mem: Arc<dyn SlotMemory> = memory();
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let config = ObjTierConfig {
+        jobs_in_flight_max: 0,
+        ..common::config()
+    };
+    let err = ObjTier::start(config, store, mem).err().expect("refused");
+    assert!(err.to_string().contains("jobs_in_flight_max"), "{err}");
+}

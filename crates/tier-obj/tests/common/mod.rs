@@ -1,0 +1,100 @@
+//! Helpers shared by the object tier's tests: configurations and tiers over the in-memory and
+//! local-file-system backends.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use offload_core::tier::{SlotMemory, Tier};
+use tier_obj::object_store::ObjectStore;
+use tier_obj::{NamespaceId, ObjTier, ObjTierConfig};
+
+/// The namespace every test uses.
+pub fn namespace() -> NamespaceId {
+    NamespaceId {
+        model: "test-model".to_owned(),
+        dtype: "bfloat16".to_owned(),
+        tokens_per_chunk: 256,
+        parallel_layout: "tp1".to_owned(),
+    }
+}
+
+/// A test configuration: short deadlines, and a multipart threshold the suite's 16 KiB slots
+/// cross, so that both upload paths run.
+pub fn config() -> ObjTierConfig {
+    ObjTierConfig {
+        request_deadline: Duration::from_secs(10),
+        list_deadline: Duration::from_secs(10),
+        multipart_threshold_bytes: 12 * 1024,
+        part_bytes: 8 * 1024,
+        jobs_in_flight_max: 16,
+        requests_in_flight_max: 8,
+        ..ObjTierConfig::new("kvtier-test", namespace())
+    }
+}
+
+/// A tier over `store` with `config`.
+pub fn tier(
+    config: ObjTierConfig,
+    store: Arc<dyn ObjectStore>,
+    memory: Arc<dyn SlotMemory>,
+) -> ObjTier {
+    ObjTier::start(config, store, memory).expect("object tier starts")
+}
+
+/// A tier that owns the temporary directory its local store lives in (removed after the tier).
+pub struct OwnedDirTier {
+    pub tier: ObjTier,
+    _dir: tempfile::TempDir,
+}
+
+impl OwnedDirTier {
+    pub fn new(memory: Arc<dyn SlotMemory>) -> Self {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let backend = tier_obj::Backend::Local {
+            root: dir.path().to_path_buf(),
+        };
+        let store = backend.open().expect("local store opens");
+        Self {
+            tier: tier(config(), store, memory),
+            _dir: dir,
+        }
+    }
+}
+
+impl Tier for OwnedDirTier {
+    fn name(&self) -> &str {
+        self.tier.name()
+    }
+    fn medium(&self) -> offload_core::event::Medium {
+        self.tier.medium()
+    }
+    fn lookup(&mut self, key: offload_core::ChunkKey) -> offload_core::tier::TierLookup {
+        self.tier.lookup(key)
+    }
+    fn touch(&mut self, keys: &[offload_core::ChunkKey]) {
+        self.tier.touch(keys)
+    }
+    fn submit(
+        &mut self,
+        job: offload_core::tier::TierJob,
+    ) -> Result<(), offload_core::tier::SubmitError> {
+        self.tier.submit(job)
+    }
+    fn poll(&mut self, out: &mut Vec<offload_core::tier::TierCompletion>) {
+        self.tier.poll(out)
+    }
+    fn cancel(&mut self, id: offload_core::JobId) {
+        self.tier.cancel(id)
+    }
+    fn drain(&mut self) {
+        self.tier.drain()
+    }
+    fn on_request_finished(&mut self, request: offload_core::RequestId) {
+        self.tier.on_request_finished(request)
+    }
+    fn shutdown(&mut self) {
+        self.tier.shutdown()
+    }
+}
