@@ -24,7 +24,7 @@ pub const TOP_CRATES: &[&str] = &["xtask", "kvtier-tests"];
 
 /// External crates that offload-core may use as normal or build dependencies. Anything that does
 /// I/O, reads a clock, starts threads or draws randomness does not belong here.
-pub const CORE_EXTERNAL_ALLOWED: &[&str] = &["serde", "thiserror"];
+pub const CORE_EXTERNAL_ALLOWED: &[&str] = &["serde", "thiserror", "twox-hash"];
 
 /// External crates (and crate families: the name itself, or the name followed by `-` or `_`)
 /// known to do I/O, read clocks, start threads or draw randomness; named so that the message

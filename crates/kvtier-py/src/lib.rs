@@ -209,6 +209,17 @@ fn lock(state: &Mutex<TierState>) -> std::sync::MutexGuard<'_, TierState> {
     state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Setting `key` of a `tier` tier's config, which must be there.
+fn required<'py>(
+    config: &Bound<'py, PyDict>,
+    tier: &str,
+    key: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    config
+        .get_item(key)?
+        .ok_or_else(|| PyValueError::new_err(format!("{tier} tier: setting {key:?} missing")))
+}
+
 fn dict_get<'py, T: pyo3::conversion::FromPyObjectOwned<'py>>(
     d: &Bound<'py, PyDict>,
     key: &str,
@@ -241,11 +252,7 @@ impl PyTier {
         config: Bound<'_, PyDict>,
     ) -> PyResult<Self> {
         let memory = buffer(view, address, slot_bytes, slot_count)?;
-        let need = |key: &str| -> PyResult<Bound<'_, PyAny>> {
-            config
-                .get_item(key)?
-                .ok_or_else(|| PyValueError::new_err(format!("fs tier: setting {key:?} missing")))
-        };
+        let need = |key: &str| required(&config, "fs", key);
         let namespace = tier_fs::NamespaceId {
             model: need("model")?.extract()?,
             dtype: need("dtype")?.extract()?,
@@ -306,11 +313,7 @@ impl PyTier {
         config: Bound<'_, PyDict>,
     ) -> PyResult<Self> {
         let memory = buffer(view, address, slot_bytes, slot_count)?;
-        let need = |key: &str| -> PyResult<Bound<'_, PyAny>> {
-            config
-                .get_item(key)?
-                .ok_or_else(|| PyValueError::new_err(format!("p2p tier: setting {key:?} missing")))
-        };
+        let need = |key: &str| required(&config, "p2p", key);
         let model: String = need("model")?.extract()?;
         let layout: String = need("layout")?.extract()?;
         let seed: u64 = need("hash_seed")?.extract()?;

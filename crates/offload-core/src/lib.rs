@@ -16,6 +16,7 @@ pub mod key;
 pub mod manager;
 pub mod meta;
 pub mod pool;
+pub mod record;
 pub mod scheduler;
 pub mod stats;
 pub mod tier;

@@ -137,13 +137,18 @@ def _with_env(entry: Mapping[str, Any], keys: set[str], environ: Mapping[str, st
     return out
 
 
-def _check_keys(entry: Mapping[str, Any], known: set[str], tier: str) -> None:
+def _entry(
+    entry: Mapping[str, Any], known: set[str], tier: str, environ: Mapping[str, str] | None
+) -> dict:
+    """The entry with its `KVTIER_*` overrides, once every key in it is known."""
+    entry = _with_env(entry, known, os.environ if environ is None else environ)
     unknown = sorted(set(entry) - known - _IGNORED - _VLLM_HANDLED)
     if unknown:
         raise ConfigError(
             f"{tier} tier: unknown setting(s) {', '.join(map(repr, unknown))}; "
             f"known: {', '.join(sorted(known))}"
         )
+    return entry
 
 
 _FS_KEYS = {
@@ -165,9 +170,7 @@ def fs_settings(
     entry: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """The fs tier's settings from a `secondary_tiers` entry, and warnings to log."""
-    environ = os.environ if environ is None else environ
-    entry = _with_env(entry, _FS_KEYS, environ)
-    _check_keys(entry, _FS_KEYS, "fs")
+    entry = _entry(entry, _FS_KEYS, "fs", environ)
     warnings: list[str] = []
     root = entry.get("root_dir")
     if not root or not isinstance(root, (str, os.PathLike)):
@@ -231,9 +234,7 @@ def p2p_settings(
     entry: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """The p2p tier's settings from a `secondary_tiers` entry, and warnings to log."""
-    environ = os.environ if environ is None else environ
-    entry = _with_env(entry, _P2P_KEYS, environ)
-    _check_keys(entry, _P2P_KEYS, "p2p")
+    entry = _entry(entry, _P2P_KEYS, "p2p", environ)
     out: dict[str, Any] = {}
     listen = str(entry.get("listen") or "127.0.0.1:0")
     if ":" not in listen:

@@ -96,7 +96,23 @@ class _KvtierTier(SecondaryTierManager):
 
     _kind: ClassVar[str] = ""
 
-    def _setup(self, tier: Tier, buffer: PrimaryBuffer, enable_kv_events: bool) -> None:
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        enable_kv_events: bool = False,
+        **config: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        buffer = PrimaryBuffer.of(primary_kv_view)
+        tier = self._start(config, offloading_spec, buffer)
         self._core = TierCore(tier, buffer)
         self._events_on = bool(enable_kv_events)
         self._events: list[OffloadingEvent] = []
@@ -104,6 +120,10 @@ class _KvtierTier(SecondaryTierManager):
         # eviction (reported by chunk key) can be published under vLLM's key. Chunks found on
         # disk at start were never announced by this instance, so their removal is not either.
         self._stored: dict[tuple[int, int], bytes] = {}
+
+    def _start(self, config: dict[str, Any], spec: Any, buffer: PrimaryBuffer) -> Tier:
+        """Checks the tier's settings and starts its native tier over `buffer`."""
+        raise NotImplementedError
 
     # -- lookups and recency -----------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -221,28 +241,12 @@ class KvtierFsTier(_KvtierTier):
     medium: ClassVar[Medium] = Medium.STORAGE
     _kind = "fs"
 
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: Any = None,
-        enable_kv_events: bool = False,
-        **config: Any,
-    ) -> None:
-        super().__init__(
-            offloading_spec=offloading_spec,
-            primary_kv_view=primary_kv_view,
-            tier_type=tier_type,
-            backpressure_detector=backpressure_detector,
-        )
+    def _start(self, config: dict[str, Any], spec: Any, buffer: PrimaryBuffer) -> Tier:
         settings, warnings = kvconfig.fs_settings(config)
         for w in warnings:
             logger.warning("%s", w)
-        buffer = PrimaryBuffer.of(primary_kv_view)
-        settings.update(_namespace(offloading_spec, buffer.slot_bytes))
+        settings.update(_namespace(spec, buffer.slot_bytes))
         tier = Tier.fs(buffer.owner, buffer.address, buffer.slot_bytes, buffer.slot_count, settings)
-        self._setup(tier, buffer, enable_kv_events)
         logger.info(
             "kvtier fs tier in %s: %d slots of %d bytes, capacity %.1f GiB",
             tier.namespace_dir,
@@ -250,6 +254,7 @@ class KvtierFsTier(_KvtierTier):
             buffer.slot_bytes,
             settings["capacity_bytes"] / 2**30,
         )
+        return tier
 
 
 class KvtierP2pTier(_KvtierTier):
@@ -258,30 +263,15 @@ class KvtierP2pTier(_KvtierTier):
     medium: ClassVar[Medium] = Medium.CPU
     _kind = "p2p"
 
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: Any = None,
-        enable_kv_events: bool = False,
-        **config: Any,
-    ) -> None:
-        super().__init__(
-            offloading_spec=offloading_spec,
-            primary_kv_view=primary_kv_view,
-            tier_type=tier_type,
-            backpressure_detector=backpressure_detector,
-        )
+    def _start(self, config: dict[str, Any], spec: Any, buffer: PrimaryBuffer) -> Tier:
         settings, _ = kvconfig.p2p_settings(config)
-        buffer = PrimaryBuffer.of(primary_kv_view)
-        ns = _namespace(offloading_spec, buffer.slot_bytes)
+        ns = _namespace(spec, buffer.slot_bytes)
         settings["model"] = ns["model"]
         settings["layout"] = f"{ns['dtype']}-{ns['tokens_per_chunk']}-{ns['parallel_layout']}"
         settings["hash_seed"] = 0
         tier = Tier.p2p(buffer.owner, buffer.address, buffer.slot_bytes, buffer.slot_count, settings)
-        self._setup(tier, buffer, enable_kv_events)
         logger.info("kvtier p2p tier listening on %s, peers %s", tier.address, settings["peers"])
+        return tier
 
     @property
     def address(self) -> str:
