@@ -15,6 +15,7 @@ pub mod invariant;
 pub mod key;
 pub mod manager;
 pub mod meta;
+pub mod namespace;
 pub mod pool;
 pub mod record;
 pub mod scheduler;
@@ -27,6 +28,7 @@ pub use event::{KvEvent, Medium};
 pub use key::{BlockId, ChunkKey, JobId, LookupResult, RequestId, SlotId};
 pub use manager::{OffloadManager, PreparedStore};
 pub use meta::{ConnectorMeta, Job, JobAck, JobKind, Transfer, WorkerOutput};
+pub use namespace::NamespaceId;
 pub use pool::{EvictionPolicy, HostPool, PoolConfig};
 pub use scheduler::{
     FinishKind, FinishedRequest, MatchResult, NewRequest, OffloadPolicy, Scheduler,

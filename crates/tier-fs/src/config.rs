@@ -7,20 +7,10 @@ use std::time::Duration;
 use crate::error::FsError;
 use crate::fault::FaultPlan;
 
-/// The identity of the KV layout whose chunks a namespace holds. Chunks of different models,
-/// dtypes, chunk sizes or parallel layouts never share a namespace directory: its name is a hash
-/// of these fields, and a small config file inside records them (checked at start).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct NamespaceId {
-    /// The model's name (for example `"meta-llama/Llama-3.1-8B"`).
-    pub model: String,
-    /// The KV cache's element type (for example `"bfloat16"`).
-    pub dtype: String,
-    /// Tokens per chunk (engine block size times blocks per chunk).
-    pub tokens_per_chunk: u32,
-    /// The parallel layout (for example `"tp4-rank0"`, or `"tp1"`).
-    pub parallel_layout: String,
-}
+/// The identity of the KV layout whose chunks a namespace holds (offload-core's): a namespace
+/// directory's name is its hash, and a small config file inside records its fields (checked at
+/// start).
+pub use offload_core::NamespaceId;
 
 /// Whether stores are made durable against power loss.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

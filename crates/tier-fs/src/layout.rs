@@ -29,11 +29,7 @@ static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// The hash that names a namespace directory (stable across builds and machines).
 pub fn namespace_hash(ns: &NamespaceId) -> u64 {
-    let text = format!(
-        "kvtier-fs/v{FORMAT_VERSION}\0{}\0{}\0{}\0{}",
-        ns.model, ns.dtype, ns.tokens_per_chunk, ns.parallel_layout
-    );
-    crate::format::xxh3_64(text.as_bytes())
+    ns.hash_with("kvtier-fs", FORMAT_VERSION)
 }
 
 /// A fresh tier-instance id: a hash of the process id, the wall clock and a process-wide

@@ -11,32 +11,15 @@ use object_store::memory::InMemory;
 use object_store::ObjectStore;
 
 use crate::error::ObjError;
-use crate::record::{xxh3_64, FORMAT_VERSION};
+use crate::record::FORMAT_VERSION;
 
-/// The identity of the KV layout whose chunks a namespace holds. Chunks of different models,
-/// dtypes, chunk sizes or parallel layouts never share a namespace: its object prefix is a hash
-/// of these fields.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct NamespaceId {
-    /// The model's name (for example `"meta-llama/Llama-3.1-8B"`).
-    pub model: String,
-    /// The KV cache's element type (for example `"bfloat16"`).
-    pub dtype: String,
-    /// Tokens per chunk (engine block size times blocks per chunk).
-    pub tokens_per_chunk: u32,
-    /// The parallel layout (for example `"tp4-rank0"`, or `"tp1"`).
-    pub parallel_layout: String,
-}
+/// The identity of the KV layout whose chunks a namespace holds (offload-core's): its object
+/// prefix is [`namespace_hash`] of it.
+pub use offload_core::NamespaceId;
 
-impl NamespaceId {
-    /// The hash that names the namespace's prefix (stable across builds and machines).
-    pub fn hash(&self) -> u64 {
-        let text = format!(
-            "kvtier-obj/v{FORMAT_VERSION}\0{}\0{}\0{}\0{}",
-            self.model, self.dtype, self.tokens_per_chunk, self.parallel_layout
-        );
-        xxh3_64(text.as_bytes())
-    }
+/// The hash that names a namespace's object prefix (stable across builds and machines).
+pub fn namespace_hash(ns: &NamespaceId) -> u64 {
+    ns.hash_with("kvtier-obj", FORMAT_VERSION)
 }
 
 /// An S3-compatible bucket. Fields left `None` come from the usual `AWS_*` environment variables

@@ -533,7 +533,7 @@ impl ObjTier {
 
 /// `<prefix>/<namespace hash as 16 hex digits>`.
 fn namespace_dir(config: &ObjTierConfig) -> Result<Path, ObjError> {
-    let ns = format!("{:016x}", config.namespace.hash());
+    let ns = format!("{:016x}", crate::config::namespace_hash(&config.namespace));
     let prefix = config.prefix.trim_matches('/');
     let text = if prefix.is_empty() {
         ns
