@@ -42,7 +42,7 @@ impl Engine {
         });
         self.step += 1;
         for w in &mut self.workers {
-            w.before_compute(&meta);
+            w.before_compute(&meta, None);
         }
         if let Some((chain, from, to, blocks)) = compute {
             let mut gpu = self.gpu.lock().expect("gpu lock");
@@ -55,7 +55,7 @@ impl Engine {
             }
         }
         for w in &mut self.workers {
-            w.after_compute(&meta);
+            w.after_compute(&meta, None);
         }
         let outputs: Vec<_> = self.workers.iter_mut().map(|w| w.take_output()).collect();
         self.scheduler.update_connector_output(&outputs)

@@ -5,8 +5,15 @@
 //!
 //! Per step, in the meta's order (design.md section 4, item 14): [`WorkerHandle::before_compute`]
 //! finishes every job older than a reset, waits for the stores to flush, and starts the loads;
-//! the engine runs its forward pass; [`WorkerHandle::after_compute`] starts the stores (their
-//! source blocks are now written); [`WorkerHandle::take_output`] reports what completed.
+//! the engine runs its forward pass; [`WorkerHandle::after_compute`] starts the stores;
+//! [`WorkerHandle::take_output`] reports what completed.
+//!
+//! Compute ordering: on a GPU the forward pass is asynchronous, so each call takes the point in
+//! the engine's compute its copies must wait for (the engine's [`TransferEngine::Dependency`], a
+//! CUDA event on the compute stream): loads wait until the kernels that still read their
+//! destination blocks (the previous step's, under async scheduling) are done, stores until the
+//! kernels that write their source blocks are. A job that waits in the handle's queue (the
+//! engine was busy) keeps its dependency.
 
 use std::collections::VecDeque;
 
@@ -29,11 +36,12 @@ pub struct WorkerCounters {
 }
 
 /// One worker's side of kvtier over a transfer engine `E`.
-pub struct WorkerHandle<E> {
+pub struct WorkerHandle<E: TransferEngine> {
     rank: u32,
     engine: E,
-    /// Jobs refused as busy, in order; submitted before anything newer.
-    queued: VecDeque<Job>,
+    /// Jobs refused as busy, in order, each with what it waits for; submitted before anything
+    /// newer.
+    queued: VecDeque<(Job, Option<E::Dependency>)>,
     acks: Vec<JobAck>,
     done: Vec<TransferDone>,
     counters: WorkerCounters,
@@ -69,8 +77,10 @@ impl<E: TransferEngine> WorkerHandle<E> {
 
     /// Before the step's compute: completes every job older than `meta.reset_before` (their
     /// acknowledgements are still sent; the scheduler ignores them), waits for the stores named
-    /// in `meta.flush`, and starts `meta.loads`.
-    pub fn before_compute(&mut self, meta: &ConnectorMeta) {
+    /// in `meta.flush`, and starts `meta.loads`, each after `reads_done`: the point in the
+    /// engine's compute after which no kernel reads the blocks the loads overwrite (`None` when
+    /// the compute is synchronous or idle).
+    pub fn before_compute(&mut self, meta: &ConnectorMeta, reads_done: Option<E::Dependency>) {
         if meta.reset_before.is_some() {
             self.submit_queued();
             self.engine.drain();
@@ -81,15 +91,17 @@ impl<E: TransferEngine> WorkerHandle<E> {
             self.engine.wait(job);
         }
         for job in &meta.loads {
-            self.submit(job.clone());
+            self.submit(job.clone(), reads_done);
         }
         self.reap();
     }
 
-    /// After the step's compute wrote their source blocks: starts `meta.stores`.
-    pub fn after_compute(&mut self, meta: &ConnectorMeta) {
+    /// After the step's compute was issued: starts `meta.stores`, each after `writes_done`, the
+    /// point in the engine's compute after which the kernels that write their source blocks are
+    /// done (`None` when the compute is synchronous and has returned).
+    pub fn after_compute(&mut self, meta: &ConnectorMeta, writes_done: Option<E::Dependency>) {
         for job in &meta.stores {
-            self.submit(job.clone());
+            self.submit(job.clone(), writes_done);
         }
         self.reap();
     }
@@ -117,10 +129,10 @@ impl<E: TransferEngine> WorkerHandle<E> {
 
     /// Submits queued jobs in order until `job` went out (for a flush).
     fn submit_through(&mut self, job: JobId) {
-        if !self.queued.iter().any(|j| j.id == job) {
+        if !self.queued.iter().any(|(j, _)| j.id == job) {
             return;
         }
-        while let Some(next) = self.queued.front().map(|j| j.id) {
+        while let Some(next) = self.queued.front().map(|(j, _)| j.id) {
             if !self.try_submit_front() {
                 // Busy: make room by finishing what is in flight.
                 self.engine.drain();
@@ -133,8 +145,8 @@ impl<E: TransferEngine> WorkerHandle<E> {
         }
     }
 
-    fn submit(&mut self, job: Job) {
-        self.queued.push_back(job);
+    fn submit(&mut self, job: Job, after: Option<E::Dependency>) {
+        self.queued.push_back((job, after));
         self.submit_queued();
     }
 
@@ -151,10 +163,10 @@ impl<E: TransferEngine> WorkerHandle<E> {
 
     /// Submits the first queued job; `false` if the engine is busy (the job stays queued).
     fn try_submit_front(&mut self) -> bool {
-        let Some(job) = self.queued.front() else {
+        let Some((job, after)) = self.queued.front() else {
             return true;
         };
-        match self.engine.submit(job) {
+        match self.engine.submit_after(job, *after) {
             Ok(()) => {
                 self.counters.jobs_submitted += 1;
                 self.queued.pop_front();

@@ -22,6 +22,8 @@ struct Scripted {
     bad: Vec<u64>,
     held: VecDeque<(Job, u32)>,
     log: Vec<Event>,
+    /// Each accepted job and the compute point it was made to wait for.
+    after: Vec<(u64, Option<u32>)>,
 }
 
 impl Scripted {
@@ -31,12 +33,16 @@ impl Scripted {
             bad: Vec::new(),
             held: VecDeque::new(),
             log: Vec::new(),
+            after: Vec::new(),
         }
     }
 }
 
 impl TransferEngine for Scripted {
-    fn submit(&mut self, job: &Job) -> Result<(), TransferError> {
+    /// A compute point: a step number.
+    type Dependency = u32;
+
+    fn submit_after(&mut self, job: &Job, after: Option<u32>) -> Result<(), TransferError> {
         if self.bad.contains(&job.id.0) {
             return Err(TransferError::Plan {
                 job: job.id,
@@ -49,6 +55,7 @@ impl TransferEngine for Scripted {
             });
         }
         self.log.push(Event::Submit(job.id.0));
+        self.after.push((job.id.0, after));
         self.held.push_back((job.clone(), 1));
         Ok(())
     }
@@ -107,13 +114,13 @@ fn loads_start_before_compute_and_stores_after() {
         stores: vec![job(2, JobKind::Store)],
         ..ConnectorMeta::default()
     };
-    w.before_compute(&meta);
+    w.before_compute(&meta, None);
     assert_eq!(
         w.engine().log,
         vec![Event::Submit(1)],
         "stores wait for the compute"
     );
-    w.after_compute(&meta);
+    w.after_compute(&meta, None);
     assert_eq!(w.engine().log, vec![Event::Submit(1), Event::Submit(2)]);
     let mut outputs = Vec::new();
     for _ in 0..4 {
@@ -126,28 +133,40 @@ fn loads_start_before_compute_and_stores_after() {
 #[test]
 fn flush_waits_for_the_store_and_reset_drains_older_jobs() {
     let mut w = WorkerHandle::new(1, Scripted::new(8));
-    w.after_compute(&ConnectorMeta {
-        stores: vec![job(3, JobKind::Store)],
-        ..ConnectorMeta::default()
-    });
-    w.before_compute(&ConnectorMeta {
-        flush: vec![JobId(3)],
-        ..ConnectorMeta::default()
-    });
+    w.after_compute(
+        &ConnectorMeta {
+            stores: vec![job(3, JobKind::Store)],
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    w.before_compute(
+        &ConnectorMeta {
+            flush: vec![JobId(3)],
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
     assert!(w.engine().log.contains(&Event::Wait(3)));
     assert_eq!(
         acked(&[w.take_output()]),
         vec![(3, true)],
         "flushed store is done"
     );
-    w.after_compute(&ConnectorMeta {
-        stores: vec![job(4, JobKind::Store)],
-        ..ConnectorMeta::default()
-    });
-    w.before_compute(&ConnectorMeta {
-        reset_before: Some(JobId(5)),
-        ..ConnectorMeta::default()
-    });
+    w.after_compute(
+        &ConnectorMeta {
+            stores: vec![job(4, JobKind::Store)],
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    w.before_compute(
+        &ConnectorMeta {
+            reset_before: Some(JobId(5)),
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
     let drain = w.engine().log.iter().rposition(|e| *e == Event::Drain);
     assert!(drain.is_some());
     assert_eq!(acked(&[w.take_output()]), vec![(4, true)]);
@@ -162,8 +181,8 @@ fn busy_and_refused_jobs_are_reported_exactly_once() {
         stores: (10..14).map(|i| job(i, JobKind::Store)).collect(),
         ..ConnectorMeta::default()
     };
-    w.before_compute(&meta);
-    w.after_compute(&meta);
+    w.before_compute(&meta, None);
+    w.after_compute(&meta, None);
     let mut outputs = Vec::new();
     for _ in 0..20 {
         outputs.push(w.take_output());
@@ -174,4 +193,45 @@ fn busy_and_refused_jobs_are_reported_exactly_once() {
     );
     assert!(w.counters().submits_busy > 0);
     assert_eq!(w.counters().jobs_failed, 1);
+}
+
+#[test]
+fn loads_wait_for_the_reads_and_stores_for_the_writes_of_the_compute() {
+    // Design.md section 4 item 14 (issue 18 item 1): every copy is ordered after the compute it
+    // depends on; a job that waited in the handle's queue (engine busy) keeps its dependency.
+    let mut w = WorkerHandle::new(0, Scripted::new(2));
+    let step = |loads: std::ops::Range<u64>, stores: std::ops::Range<u64>| ConnectorMeta {
+        loads: loads.map(|i| job(i, JobKind::Load)).collect(),
+        stores: stores.map(|i| job(i, JobKind::Store)).collect(),
+        ..ConnectorMeta::default()
+    };
+    // Step 7: the previous step's kernels (point 6) may still read the blocks loads overwrite;
+    // this step's kernels are done writing at point 7.
+    let meta = step(1..3, 3..6);
+    w.before_compute(&meta, Some(6));
+    w.after_compute(&meta, Some(7));
+    let meta = step(6..7, 7..8);
+    w.before_compute(&meta, Some(7));
+    w.after_compute(&meta, Some(8));
+    for _ in 0..20 {
+        w.take_output();
+    }
+    let mut after = w.engine().after.clone();
+    after.sort_unstable();
+    assert_eq!(
+        after,
+        vec![
+            (1, Some(6)),
+            (2, Some(6)),
+            (3, Some(7)),
+            (4, Some(7)),
+            (5, Some(7)),
+            (6, Some(7)),
+            (7, Some(8)),
+        ]
+    );
+    assert!(
+        w.counters().submits_busy > 0,
+        "some jobs waited in the queue"
+    );
 }

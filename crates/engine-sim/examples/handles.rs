@@ -50,13 +50,13 @@ impl Engine {
             preempted: &[],
         });
         for w in &mut self.workers {
-            w.before_compute(&meta);
+            w.before_compute(&meta, None);
         }
         for &(chain, from, to, blocks) in compute {
             self.compute(chain, from, to, blocks);
         }
         for w in &mut self.workers {
-            w.after_compute(&meta);
+            w.after_compute(&meta, None);
         }
         let outputs: Vec<_> = self.workers.iter_mut().map(|w| w.take_output()).collect();
         let outcome = self.scheduler.update_connector_output(&outputs);

@@ -45,7 +45,10 @@ impl SimTransferEngine {
 }
 
 impl TransferEngine for SimTransferEngine {
-    fn submit(&mut self, job: &Job) -> Result<(), TransferError> {
+    /// The simulated engine computes on the calling thread: nothing to wait for.
+    type Dependency = ();
+
+    fn submit_after(&mut self, job: &Job, _after: Option<()>) -> Result<(), TransferError> {
         self.copies.clear();
         for t in &job.transfers {
             transfer_copies(t, self.shard, self.geo, &mut self.copies)

@@ -42,7 +42,10 @@ mod tests {
             parallel_layout: "tp1".into(),
         };
         let h = ns.hash_with("kvtier-fs", 2);
-        assert_eq!(h, crate::record::xxh3_64(b"kvtier-fs/v2\0m\0bf16\064\0tp1"));
+        assert_eq!(
+            h,
+            crate::record::xxh3_64(b"kvtier-fs/v2\x00m\x00bf16\x0064\x00tp1")
+        );
         assert_ne!(h, ns.hash_with("kvtier-obj", 2));
         assert_ne!(h, ns.hash_with("kvtier-fs", 3));
         let other = NamespaceId {

@@ -437,7 +437,11 @@ impl HostTransferEngine {
 }
 
 impl TransferEngine for HostTransferEngine {
-    fn submit(&mut self, job: &Job) -> Result<(), TransferError> {
+    /// The engine's KV cache is host memory written by the calling thread: its compute is done
+    /// when the forward call returns, so there is nothing to wait for.
+    type Dependency = ();
+
+    fn submit_after(&mut self, job: &Job, _after: Option<()>) -> Result<(), TransferError> {
         // Bounded per direction, so a burst of stores never holds back a load.
         let in_flight = self.queues[Self::queue_of(job.kind)].len();
         if in_flight >= self.jobs_in_flight_max {

@@ -62,9 +62,24 @@ pub struct TransferDone {
 /// order; the host slots and engine blocks a job names belong to it until its completion has been
 /// reported. A failed copy reports failure; nothing claims success for bytes not copied.
 pub trait TransferEngine: Send {
-    /// Accepts a job (a store copies engine blocks to host slots, a load the reverse), or refuses
-    /// it without side effects.
-    fn submit(&mut self, job: &Job) -> Result<(), TransferError>;
+    /// A point in the engine's compute that a job can be made to wait for (design.md section 4,
+    /// item 14): on a GPU, an event recorded on the compute stream after the kernels that write a
+    /// store's source blocks, or that last read a load's destination blocks. `()` for engines
+    /// whose compute has finished when the engine's forward call returns (host memory).
+    type Dependency: Copy + Send;
+
+    /// Accepts a job (a store copies engine blocks to host slots, a load the reverse) whose
+    /// copies start only after `after` (if given), or refuses it without side effects.
+    fn submit_after(
+        &mut self,
+        job: &Job,
+        after: Option<Self::Dependency>,
+    ) -> Result<(), TransferError>;
+
+    /// [`TransferEngine::submit_after`] with no dependency: the copies may start at once.
+    fn submit(&mut self, job: &Job) -> Result<(), TransferError> {
+        self.submit_after(job, None)
+    }
     /// Moves completions found so far into `out`, without blocking.
     fn poll(&mut self, out: &mut Vec<TransferDone>);
     /// Blocks until `job` (and every job of its direction submitted before it) completed; their

@@ -821,7 +821,7 @@ impl OffloadManager for HostPool {
         // fails the whole call, and the pins taken so far are given back (all or nothing).
         for i in start..slots.len() {
             let s = slots[i].0 as usize;
-            if self.slots[s].refc as i32 >= READERS_PER_SLOT_MAX as i32 {
+            if i32::from(self.slots[s].refc) >= READERS_PER_SLOT_MAX {
                 for &SlotId(undo) in &slots[start..i] {
                     let slot = &mut self.slots[undo as usize];
                     slot.refc -= 1;

@@ -278,6 +278,27 @@ impl CudaTransferEngine {
     }
 }
 
+/// A CUDA event the engine's compute stream recorded, as a job's dependency
+/// ([`TransferEngine::Dependency`]): the job's copies start after it.
+#[derive(Clone, Copy, Debug)]
+pub struct ComputeEvent(CUevent);
+
+// SAFETY: a CUDA event handle may be used from any thread; the engine only passes it to
+// cuStreamWaitEvent during a submit.
+unsafe impl Send for ComputeEvent {}
+
+impl ComputeEvent {
+    /// Wraps an event recorded on the engine's compute stream.
+    ///
+    /// # Safety
+    ///
+    /// `event` must stay a live CUDA event handle (of any context on this device) until every
+    /// submit given this dependency has returned.
+    pub unsafe fn new(event: CUevent) -> Self {
+        Self(event)
+    }
+}
+
 /// Marks an engine failed (the first reason wins) and returns the refusal to give.
 fn mark_failed(failed: &mut Option<String>, failure: DriverFailure) -> TransferError {
     let reason = failed.get_or_insert_with(|| failure.to_string());
@@ -285,9 +306,15 @@ fn mark_failed(failed: &mut Option<String>, failure: DriverFailure) -> TransferE
 }
 
 impl TransferEngine for CudaTransferEngine {
-    fn submit(&mut self, job: &Job) -> Result<(), TransferError> {
-        // SAFETY: no wait event is passed.
-        unsafe { self.submit_after(job, None) }
+    type Dependency = ComputeEvent;
+
+    fn submit_after(
+        &mut self,
+        job: &Job,
+        after: Option<ComputeEvent>,
+    ) -> Result<(), TransferError> {
+        // SAFETY: a `ComputeEvent` is a live event handle by its constructor's contract.
+        unsafe { CudaTransferEngine::submit_after(self, job, after.map(|e| e.0)) }
     }
 
     fn poll(&mut self, out: &mut Vec<TransferDone>) {

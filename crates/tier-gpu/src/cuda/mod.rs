@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 
 pub use driver::DeviceBuffer;
-pub use engine::{CopyMethod, CudaEngineConfig, CudaTransferEngine};
+pub use engine::{ComputeEvent, CopyMethod, CudaEngineConfig, CudaTransferEngine};
 pub use pinned::{PinnedHostPool, REGISTER_PIECE_BYTES_DEFAULT};
 
 /// A CUDA event handle (`CUevent`), as the engine's compute stream records it; see
