@@ -1,5 +1,6 @@
 //! The connector's clock, behind a trait so that a simulator can control time: [`MonotonicClock`]
-//! reads the machine's monotonic clock, [`ManualClock`] moves only when told to.
+//! reads the machine's monotonic clock, [`ManualClock`] moves only when told to (or when the
+//! manager waits on it, see [`Clock::sleep_ns`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -9,6 +10,13 @@ use std::time::Instant;
 pub trait Clock: Send + Sync {
     /// Nanoseconds since the clock's origin; never decreases.
     fn now_ns(&self) -> u64;
+
+    /// Lets `ns` nanoseconds pass, where the caller already blocks (a reset waiting for tiers
+    /// with a deadline). The default sleeps the thread; a simulated clock moves itself instead,
+    /// so a wait against it ends in simulated time without real sleeping.
+    fn sleep_ns(&self, ns: u64) {
+        std::thread::sleep(std::time::Duration::from_nanos(ns));
+    }
 }
 
 /// The machine's monotonic clock, with its origin at creation.
@@ -61,6 +69,11 @@ impl Clock for ManualClock {
     fn now_ns(&self) -> u64 {
         self.now.load(Ordering::Relaxed)
     }
+
+    /// Waiting on a simulated clock moves it: nothing else would.
+    fn sleep_ns(&self, ns: u64) {
+        self.advance(ns);
+    }
 }
 
 #[cfg(test)]
@@ -74,6 +87,8 @@ mod tests {
         assert_eq!(clock.now_ns(), 0);
         other.advance(5);
         assert_eq!(clock.now_ns(), 5);
+        other.sleep_ns(3);
+        assert_eq!(clock.now_ns(), 8, "a wait on a manual clock moves it");
     }
 
     #[test]

@@ -65,7 +65,7 @@ pub use metrics::{Metrics, PoolUsage};
 pub use shared::{SharedTier, TierCall};
 pub use tiering::{
     TierCounters, TierEvent, TierMask, TieringCounters, TieringManager, TieringOptions,
-    HOST_TIER_NAME, TIERS_MAX,
+    HOST_TIER_NAME, RESET_DRAIN_POLL_INTERVAL_NS, TIERS_MAX,
 };
 #[cfg(feature = "gpu")]
 pub use worker::{WorkerCounters, WorkerHandle};

@@ -157,7 +157,28 @@ impl Metrics {
                 "kvtier_chunks_total{{tier=\"{tier}\",direction=\"{dir}\",result=\"{result}\"}} {v}"
             );
         }
-        let singles: [(&str, &str, &str, u64); 11] = [
+        family(
+            &mut out,
+            "kvtier_deadline_expired_total",
+            "counter",
+            "Tier waits that passed their deadline, per tier and wait: cascade_queued (dropped, \
+             pins released), cascade_in_flight and promotion (cancelled), reset_drain (cancelled \
+             by a reset).",
+        );
+        for (tier, c) in &self.tiers {
+            for (wait, v) in [
+                ("cascade_queued", c.cascades_expired),
+                ("cascade_in_flight", c.cascades_timed_out),
+                ("promotion", c.promotions_timed_out),
+                ("reset_drain", c.reset_jobs_cancelled),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "kvtier_deadline_expired_total{{tier=\"{tier}\",wait=\"{wait}\"}} {v}"
+                );
+            }
+        }
+        let singles: [(&str, &str, &str, u64); 12] = [
             (
                 "kvtier_allocation_failures_total",
                 "counter",
@@ -201,6 +222,12 @@ impl Metrics {
                 "counter",
                 "Promoted chunks unpinned at the promotion deadline, never loaded by their request.",
                 self.tiering.promotion_pins_expired,
+            ),
+            (
+                "kvtier_reset_drain_timeouts_total",
+                "counter",
+                "Resets whose wait for tier jobs passed the reset drain deadline.",
+                self.tiering.reset_drain_timeouts,
             ),
             (
                 "kvtier_pool_slots",
@@ -274,5 +301,36 @@ mod tests {
             assert!(value.parse::<f64>().is_ok(), "bad value in {line}");
         }
         assert!(text.contains("kvtier_lookups_total{tier=\"fs\"} 0"));
+    }
+
+    #[test]
+    fn deadline_counters_are_exported() {
+        let metrics = Metrics {
+            tiers: vec![(
+                "fs".to_owned(),
+                TierCounters {
+                    cascades_expired: 2,
+                    cascades_timed_out: 3,
+                    promotions_timed_out: 4,
+                    reset_jobs_cancelled: 5,
+                    ..TierCounters::default()
+                },
+            )],
+            tiering: TieringCounters {
+                reset_drain_timeouts: 6,
+                ..TieringCounters::default()
+            },
+            ..Metrics::default()
+        };
+        let text = metrics.to_prometheus();
+        for line in [
+            "kvtier_deadline_expired_total{tier=\"fs\",wait=\"cascade_queued\"} 2",
+            "kvtier_deadline_expired_total{tier=\"fs\",wait=\"cascade_in_flight\"} 3",
+            "kvtier_deadline_expired_total{tier=\"fs\",wait=\"promotion\"} 4",
+            "kvtier_deadline_expired_total{tier=\"fs\",wait=\"reset_drain\"} 5",
+            "kvtier_reset_drain_timeouts_total 6",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
+        }
     }
 }

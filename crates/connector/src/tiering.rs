@@ -26,8 +26,11 @@
 //!   request finished and no host store of it is pending; queued promotions of the request are
 //!   submitted (or cancelled when a tier refuses) and its cascades submitted before the tiers hear
 //!   `on_request_finished`. After that no tier job or lookup names the request.
-//! - **Reset** drains every tier before the host slots are freed, finalizes finished requests
-//!   exactly once, and keeps the secondary tiers' data.
+//! - **Deadlines.** A cascade queued behind a busy tier past `cascade_deadline_ns` is dropped
+//!   (pins released); one in flight past it is cancelled (pins kept until the tier reports).
+//! - **Reset** waits for every tier job (up to `reset_drain_deadline_ns`, then cancels the rest
+//!   and drains the tiers holding them) before the host slots are freed, finalizes finished
+//!   requests exactly once, and keeps the secondary tiers' data.
 //! - **Strict tier reports.** A completion with an unknown job id, a second completion of a job,
 //!   or one from another tier than the job's is a broken bookkeeping invariant
 //!   ([`offload_core::invariant`]): a panic in strict mode, counted otherwise.
@@ -138,6 +141,14 @@ pub struct TierCounters {
     pub jobs_dropped: u64,
     /// Promotions cancelled because they passed the promotion deadline.
     pub promotions_timed_out: u64,
+    /// Cascades dropped (their host pins released, never submitted) because they waited behind
+    /// a busy tier longer than the cascade deadline.
+    pub cascades_expired: u64,
+    /// Cascades submitted and not reported within the cascade deadline: cancelled (their pins
+    /// stay until the tier reports them).
+    pub cascades_timed_out: u64,
+    /// Jobs still in flight when a reset's wait for this tier passed its deadline: cancelled.
+    pub reset_jobs_cancelled: u64,
 }
 
 /// Counters of the tiering manager itself.
@@ -163,6 +174,9 @@ pub struct TieringCounters {
     pub resets: u64,
     /// Promotion pins dropped at the promotion deadline because their request never loaded them.
     pub promotion_pins_expired: u64,
+    /// Resets whose wait for the tiers' jobs passed the reset drain deadline (the jobs still in
+    /// flight were then cancelled).
+    pub reset_drain_timeouts: u64,
 }
 
 /// Settings of a [`TieringManager`] beyond its parts.
@@ -175,6 +189,12 @@ pub struct TieringOptions {
     /// A promotion in flight longer than this is cancelled (it then fails, and the engine
     /// recomputes). Tiers have their own deadlines; this one bounds a tier that breaks them.
     pub promotion_deadline_ns: u64,
+    /// A cascade queued behind a busy tier longer than this is dropped (its host pins released);
+    /// one submitted and not reported within it is cancelled. It bounds how long a stalled or
+    /// busy tier keeps host slots pinned.
+    pub cascade_deadline_ns: u64,
+    /// How long a reset waits for the tiers' jobs before it cancels those still in flight.
+    pub reset_drain_deadline_ns: u64,
     /// Gather [`TierEvent`]s.
     pub events: bool,
     /// Where time comes from (for metrics and the promotion deadline).
@@ -183,12 +203,15 @@ pub struct TieringOptions {
 
 impl TieringOptions {
     /// Options for slots of `slot_bytes`, with strictness from the build (debug: strict), a
-    /// 10-second promotion deadline, events on, and the monotonic clock.
+    /// 10-second promotion deadline, a 30-second cascade deadline, a 5-second reset drain
+    /// deadline, events on, and the monotonic clock.
     pub fn new(slot_bytes: u32) -> Self {
         Self {
             slot_bytes,
             strict: invariant::STRICT_DEFAULT,
             promotion_deadline_ns: 10_000_000_000,
+            cascade_deadline_ns: 30_000_000_000,
+            reset_drain_deadline_ns: 5_000_000_000,
             events: true,
             clock: Arc::new(MonotonicClock::new()),
         }
@@ -201,6 +224,8 @@ impl std::fmt::Debug for TieringOptions {
             .field("slot_bytes", &self.slot_bytes)
             .field("strict", &self.strict)
             .field("promotion_deadline_ns", &self.promotion_deadline_ns)
+            .field("cascade_deadline_ns", &self.cascade_deadline_ns)
+            .field("reset_drain_deadline_ns", &self.reset_drain_deadline_ns)
             .field("events", &self.events)
             .finish_non_exhaustive()
     }
@@ -209,13 +234,24 @@ impl std::fmt::Debug for TieringOptions {
 /// A chunk of a tier job: key, host slot, payload bytes.
 type Chunk = (ChunkKey, SlotId, u32);
 
+/// How long a reset sleeps (on the manager's clock) between two polls of the tiers.
+pub const RESET_DRAIN_POLL_INTERVAL_NS: u64 = 1_000_000;
+
+/// A cascade refused as busy and queued: its request, chunks (pinned), and when it was queued.
+#[derive(Debug)]
+struct QueuedCascade {
+    request: RequestId,
+    chunks: Vec<Chunk>,
+    queued_ns: u64,
+}
+
 /// One secondary tier and what the manager keeps about it.
 struct TierEntry {
     tier: Box<dyn Tier>,
     name: String,
     medium: Medium,
-    /// Cascades refused as busy, oldest first, retried every step.
-    cascades: VecDeque<(RequestId, Vec<Chunk>)>,
+    /// Cascades refused as busy, oldest first, retried every step until the cascade deadline.
+    cascades: VecDeque<QueuedCascade>,
     counters: TierCounters,
 }
 
@@ -484,13 +520,15 @@ impl TieringManager {
     }
 
     /// Start of a step (before the step's metadata is built): reaps tier completions (unpins
-    /// cascaded slots, completes promotions), retries cascades refused as busy, cancels
-    /// promotions past their deadline, drops promotion pins past it, and finalizes requests that
-    /// were waiting for them.
+    /// cascaded slots, completes promotions), retries cascades refused as busy, drops queued
+    /// cascades past the cascade deadline, cancels promotions and cascades in flight past their
+    /// deadlines, drops promotion pins past theirs, and finalizes requests that were waiting.
     pub fn begin_step(&mut self) {
         self.poll_tiers();
         self.retry_cascades();
+        self.expire_queued_cascades();
         self.cancel_overdue_promotions();
+        self.cancel_overdue_cascades();
         self.expire_promotion_pins();
         for state in self.requests.values_mut() {
             state.scan_hits.clear();
@@ -825,7 +863,12 @@ impl TieringManager {
     }
 
     fn queue_cascade(&mut self, tier: usize, request: RequestId, chunks: Vec<Chunk>) {
-        self.tiers[tier].cascades.push_back((request, chunks));
+        let queued_ns = self.now();
+        self.tiers[tier].cascades.push_back(QueuedCascade {
+            request,
+            chunks,
+            queued_ns,
+        });
         self.state(request).cascades_queued += 1;
     }
 
@@ -877,9 +920,18 @@ impl TieringManager {
 
     fn retry_cascades(&mut self) {
         for tier in 0..self.tiers.len() {
-            while let Some((request, chunks)) = self.tiers[tier].cascades.pop_front() {
+            while let Some(cascade) = self.tiers[tier].cascades.pop_front() {
+                let QueuedCascade {
+                    request,
+                    chunks,
+                    queued_ns,
+                } = cascade;
                 if let Some(chunks) = self.submit_cascade(tier, request, chunks) {
-                    self.tiers[tier].cascades.push_front((request, chunks));
+                    self.tiers[tier].cascades.push_front(QueuedCascade {
+                        request,
+                        chunks,
+                        queued_ns,
+                    });
                     break;
                 }
                 if let Some(r) = self.requests.get_mut(&request) {
@@ -892,17 +944,99 @@ impl TieringManager {
     /// Drops queued cascades (their pins released), for a reset.
     fn drop_queued_cascades(&mut self) {
         for tier in 0..self.tiers.len() {
-            let queued: Vec<(RequestId, Vec<Chunk>)> =
-                self.tiers[tier].cascades.drain(..).collect();
-            for (request, chunks) in queued {
+            let queued: Vec<QueuedCascade> = self.tiers[tier].cascades.drain(..).collect();
+            for cascade in queued {
                 self.tiers[tier].counters.jobs_dropped += 1;
-                let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
-                self.host.complete_load(&keys);
-                if let Some(r) = self.requests.get_mut(&request) {
-                    r.cascades_queued -= 1;
-                }
+                self.unqueue_cascade(&cascade);
             }
         }
+    }
+
+    /// Releases a queued cascade's host pins (it will not be submitted).
+    fn unqueue_cascade(&mut self, cascade: &QueuedCascade) {
+        let keys: Vec<ChunkKey> = cascade.chunks.iter().map(|c| c.0).collect();
+        self.host.complete_load(&keys);
+        if let Some(r) = self.requests.get_mut(&cascade.request) {
+            r.cascades_queued -= 1;
+        }
+    }
+
+    /// Drops cascades queued behind a busy tier for longer than the cascade deadline, so a tier
+    /// that stays busy does not keep host slots pinned: their pins are released and the chunks
+    /// stay in the host pool only. The queue is in queueing order, so the oldest go first.
+    fn expire_queued_cascades(&mut self) {
+        let now = self.now();
+        let deadline = self.options.cascade_deadline_ns;
+        for tier in 0..self.tiers.len() {
+            while self.tiers[tier]
+                .cascades
+                .front()
+                .is_some_and(|c| now.saturating_sub(c.queued_ns) > deadline)
+            {
+                let Some(cascade) = self.tiers[tier].cascades.pop_front() else {
+                    break;
+                };
+                self.tiers[tier].counters.cascades_expired += 1;
+                self.unqueue_cascade(&cascade);
+            }
+        }
+    }
+
+    /// Cancels cascades submitted longer ago than the cascade deadline and not reported. Their
+    /// pins stay: the tier may read the slots until it reports the job (buffer ownership), which
+    /// a cancelled job still does exactly once.
+    fn cancel_overdue_cascades(&mut self) {
+        let now = self.now();
+        let deadline = self.options.cascade_deadline_ns;
+        for (&id, job) in self.in_flight.iter_mut() {
+            if job.op != TierOp::Store
+                || job.cancelled
+                || now.saturating_sub(job.submitted_ns) <= deadline
+            {
+                continue;
+            }
+            job.cancelled = true;
+            let entry = &mut self.tiers[job.tier];
+            entry.counters.cascades_timed_out += 1;
+            entry.tier.cancel(id);
+        }
+    }
+
+    /// Waits for every tier job to be reported, up to the reset drain deadline, polling the
+    /// tiers and sleeping on the clock between polls (a reset already blocks the caller). Past
+    /// the deadline the jobs still in flight are cancelled and counted; then each tier that
+    /// still holds a job is drained, which a tier honouring `cancel` ends at once. It cannot
+    /// return earlier: the host pool is reset next, and a job's slots belong to it until the
+    /// tier reports it (buffer ownership).
+    fn drain_for_reset(&mut self) {
+        let start = self.now();
+        let deadline = self.options.reset_drain_deadline_ns;
+        loop {
+            self.poll_tiers();
+            if self.in_flight.is_empty() {
+                return;
+            }
+            if self.now().saturating_sub(start) >= deadline {
+                break;
+            }
+            self.options.clock.sleep_ns(RESET_DRAIN_POLL_INTERVAL_NS);
+        }
+        self.counters.reset_drain_timeouts += 1;
+        let mut holding = BTreeSet::new();
+        for (&id, job) in self.in_flight.iter_mut() {
+            holding.insert(job.tier);
+            if job.cancelled {
+                continue;
+            }
+            job.cancelled = true;
+            let entry = &mut self.tiers[job.tier];
+            entry.counters.reset_jobs_cancelled += 1;
+            entry.tier.cancel(id);
+        }
+        for tier in holding {
+            self.tiers[tier].tier.drain();
+        }
+        self.poll_tiers();
     }
 
     fn cancel_overdue_promotions(&mut self) {
@@ -1270,8 +1404,9 @@ impl OffloadManager for TieringManager {
         // Promotions queued and not submitted: their slots are dropped with the pool below.
         self.promotions.clear();
         self.promotions_queued_ns.clear();
-        // Tier I/O reads and writes host slots: it must end before they are freed.
-        self.drain();
+        // Tier I/O reads and writes host slots: it must end before they are freed. The wait has
+        // a deadline, after which what is still in flight is cancelled.
+        self.drain_for_reset();
         self.drop_queued_cascades();
         self.host.reset();
         self.promotion_pins = 0;

@@ -419,12 +419,19 @@ fn reset_drains_tier_io_first_and_finalizes_finished_requests_once() {
         0,
         "drained before the slots were freed"
     );
+    // The reset polled the tier until the job completed (within the reset drain deadline), so
+    // it neither cancelled nor blocked in `drain`.
     let log = f.tiers[0].log();
-    let drain = log.iter().position(|c| *c == TierCall::Drain);
-    let completed = log
-        .iter()
-        .position(|c| matches!(c, TierCall::Completed { .. }));
-    assert!(drain.is_some() && completed > drain, "{log:?}");
+    assert!(
+        log.iter().any(|c| matches!(c, TierCall::Completed { .. })),
+        "{log:?}"
+    );
+    assert!(
+        !log.iter()
+            .any(|c| matches!(c, TierCall::Cancel(_) | TierCall::Drain)),
+        "{log:?}"
+    );
+    assert_eq!(f.manager.counters().reset_drain_timeouts, 0);
     assert_eq!(
         log.iter().filter(|c| **c == TierCall::Finished(r)).count(),
         1
@@ -916,4 +923,303 @@ fn promotion_pins_go_with_the_finish_the_reset_and_the_deadline_exactly_once() {
     );
     assert_eq!(f.manager.counters().invariant_failures, 0);
     no_fake_violations(&f);
+}
+
+// ---- deadlines (design.md section 4 item 15) ----
+
+/// Options on a manual clock with the given cascade and reset drain deadlines.
+fn deadline_options(
+    clock: &connector::ManualClock,
+    cascade_deadline_ns: u64,
+    reset_drain_deadline_ns: u64,
+) -> TieringOptions {
+    TieringOptions {
+        strict: true,
+        cascade_deadline_ns,
+        reset_drain_deadline_ns,
+        clock: Arc::new(clock.clone()),
+        ..TieringOptions::new(SLOT_BYTES as u32)
+    }
+}
+
+fn stalled() -> FakeTierConfig {
+    let mut config = FakeTierConfig::default();
+    config.faults.stall = true;
+    config
+}
+
+/// Whether the host pool has room for `k` (prepared and then failed, so nothing stays).
+fn has_room(f: &mut Fixture, request: RequestId, k: ChunkKey) -> bool {
+    let mut prepared = PreparedStore::default();
+    let ok = f
+        .manager
+        .prepare_store(&[k], request, &mut prepared)
+        .is_ok();
+    if ok {
+        f.manager.complete_store(&prepared.keys, false);
+    }
+    ok
+}
+
+fn every_job_reported_once(f: &Fixture) {
+    for t in &f.tiers {
+        let stats = t.with(|t| t.stats());
+        assert_eq!(stats.completions_returned, stats.jobs_accepted, "{stats:?}");
+        assert_eq!(t.with(|t| t.jobs_in_flight()), 0);
+    }
+    assert_eq!(f.manager.tier_jobs_in_flight(), 0);
+    assert_eq!(f.manager.counters().invariant_failures, 0);
+    no_fake_violations(f);
+}
+
+#[test]
+fn a_stalled_cascade_is_cancelled_at_the_deadline_and_unpinned_only_when_reported() {
+    let clock = connector::ManualClock::new();
+    let options = deadline_options(&clock, 1000, 1_000_000);
+    let mut f = fixture_with_options(2, vec![stalled()], options);
+    let r = RequestId(1);
+    store(&mut f, r, &[key(1), key(2)]);
+    assert_eq!(f.manager.host().ref_count(key(1)), Some(1), "cascade pin");
+    assert!(
+        !has_room(&mut f, r, key(3)),
+        "the stalled cascade pins the pool"
+    );
+
+    clock.advance(1000);
+    f.manager.begin_step();
+    assert_eq!(
+        f.manager.tier_counters(0).map(|c| c.cascades_timed_out),
+        Some(0)
+    );
+    clock.advance(1);
+    f.manager.begin_step();
+    assert_eq!(
+        f.manager.tier_counters(0).map(|c| c.cascades_timed_out),
+        Some(1)
+    );
+    // Cancelled, but not reported yet: the tier may still read the slots.
+    assert_eq!(f.manager.tier_jobs_in_flight(), 1);
+    assert_eq!(
+        f.manager.host().ref_count(key(1)),
+        Some(1),
+        "pinned until reported"
+    );
+    assert!(!has_room(&mut f, r, key(3)));
+
+    f.manager.end_step();
+    assert_eq!(f.manager.host().ref_count(key(1)), Some(0));
+    assert_eq!(f.manager.host().ref_count(key(2)), Some(0));
+    assert!(
+        has_room(&mut f, r, key(3)),
+        "after the deadline, new stores find room"
+    );
+    store(&mut f, r, &[key(3)]);
+    let counters = f.manager.tier_counters(0).expect("tier");
+    assert_eq!(counters.store_chunks_failed, 2);
+    assert_eq!(counters.cascades_timed_out, 1, "cancelled once");
+    assert_eq!(f.tiers[0].with(|t| t.stats().jobs_cancelled), 1);
+    f.tiers[0].with(|t| t.faults_mut().stall = false);
+    f.manager.on_request_finished(r);
+    f.manager.begin_step();
+    assert!(f.manager.is_finalized(r));
+    every_job_reported_once(&f);
+}
+
+#[test]
+fn a_cascade_queued_behind_a_busy_tier_expires_its_pins_go_and_its_request_finalizes() {
+    let clock = connector::ManualClock::new();
+    let options = deadline_options(&clock, 1000, 1_000_000);
+    let busy = FakeTierConfig {
+        jobs_in_flight_max: 0,
+        ..FakeTierConfig::default()
+    };
+    let mut f = fixture_with_options(2, vec![busy], options);
+    let r = RequestId(1);
+    store(&mut f, r, &[key(1), key(2)]);
+    assert_eq!(
+        f.manager.host().ref_count(key(2)),
+        Some(1),
+        "queued, pinned"
+    );
+    f.manager.on_request_finished(r);
+    assert!(
+        f.manager.is_awaiting_finalization(r),
+        "its cascade is queued"
+    );
+    assert!(!has_room(&mut f, RequestId(2), key(3)));
+
+    clock.advance(1000);
+    f.manager.begin_step();
+    assert_eq!(
+        f.manager.tier_counters(0).map(|c| c.cascades_expired),
+        Some(0)
+    );
+    assert!(f.manager.is_awaiting_finalization(r));
+    clock.advance(1);
+    f.manager.begin_step();
+    let counters = f.manager.tier_counters(0).expect("tier");
+    assert_eq!(counters.cascades_expired, 1);
+    assert!(counters.submits_busy >= 2, "retried until the deadline");
+    assert_eq!(counters.store_jobs, 0);
+    assert_eq!(f.manager.host().ref_count(key(1)), Some(0));
+    assert_eq!(f.manager.host().ref_count(key(2)), Some(0));
+    assert!(
+        f.manager.is_finalized(r),
+        "finalized once its cascade was dropped"
+    );
+    store(&mut f, RequestId(2), &[key(3)]);
+    f.manager.on_request_finished(RequestId(2));
+    clock.advance(1001);
+    f.manager.begin_step();
+    assert_eq!(
+        f.manager.tier_counters(0).map(|c| c.cascades_expired),
+        Some(2)
+    );
+    assert!(
+        f.manager.outstanding().is_empty(),
+        "{:?}",
+        f.manager.outstanding()
+    );
+    every_job_reported_once(&f);
+}
+
+/// A stalled tier whose `drain` would block forever while a job it holds is not cancelled (as a
+/// real tier blocked on I/O does): here it panics instead. It also checks that every job is
+/// reported exactly once.
+struct DrainBlocksUntilCancelled {
+    inner: FakeTier,
+    open: std::collections::BTreeSet<JobId>,
+    cancelled: std::collections::BTreeSet<JobId>,
+    reported: std::collections::BTreeSet<JobId>,
+    reported_twice: u32,
+}
+
+impl Tier for DrainBlocksUntilCancelled {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn medium(&self) -> Medium {
+        self.inner.medium()
+    }
+    fn lookup(&mut self, key: ChunkKey) -> TierLookup {
+        self.inner.lookup(key)
+    }
+    fn touch(&mut self, keys: &[ChunkKey]) {
+        self.inner.touch(keys);
+    }
+    fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
+        let id = job.id;
+        self.inner.submit(job)?;
+        self.open.insert(id);
+        Ok(())
+    }
+    fn poll(&mut self, out: &mut Vec<TierCompletion>) {
+        let from = out.len();
+        self.inner.poll(out);
+        for c in &out[from..] {
+            self.open.remove(&c.id);
+            if !self.reported.insert(c.id) {
+                self.reported_twice += 1;
+            }
+        }
+    }
+    fn cancel(&mut self, id: JobId) {
+        self.cancelled.insert(id);
+        self.inner.cancel(id);
+    }
+    fn drain(&mut self) {
+        let stuck: Vec<&JobId> = self.open.difference(&self.cancelled).collect();
+        assert!(stuck.is_empty(), "drain would block forever on {stuck:?}");
+        self.inner.drain();
+    }
+    fn on_request_finished(&mut self, request: RequestId) {
+        self.inner.on_request_finished(request);
+    }
+    fn shutdown(&mut self) {
+        self.inner.shutdown();
+    }
+}
+
+#[test]
+fn reset_against_a_stalled_tier_returns_at_its_deadline_and_counts_it() {
+    let clock = connector::ManualClock::new();
+    let deadline = 5 * connector::RESET_DRAIN_POLL_INTERVAL_NS;
+    let options = deadline_options(&clock, u64::MAX, deadline);
+    let memory = Arc::new(VecSlotMemory::new(2, SLOT_BYTES));
+    let dyn_memory: Arc<dyn SlotMemory> = memory.clone();
+    let tier = SharedTier::new(
+        DrainBlocksUntilCancelled {
+            inner: FakeTier::new(dyn_memory, stalled()),
+            open: Default::default(),
+            cancelled: Default::default(),
+            reported: Default::default(),
+            reported_twice: 0,
+        },
+        10_000,
+    );
+    let host = HostPool::with_strictness(
+        PoolConfig {
+            slot_count: 2,
+            policy: EvictionPolicy::Lru,
+            reuse_threshold: 0,
+            events: true,
+        },
+        true,
+    )
+    .expect("pool config");
+    let mut manager = TieringManager::new(host, vec![tier.boxed()], options).expect("manager");
+    let r = RequestId(1);
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(&[key(1), key(2)], r, &mut prepared)
+        .expect("room");
+    manager.complete_store(&prepared.keys, true);
+    assert_eq!(manager.tier_jobs_in_flight(), 1);
+
+    let start = connector::Clock::now_ns(&clock);
+    manager.reset();
+    let waited = connector::Clock::now_ns(&clock) - start;
+    assert!(
+        waited >= deadline,
+        "waited {waited} ns, less than the deadline"
+    );
+    assert!(
+        waited <= deadline + connector::RESET_DRAIN_POLL_INTERVAL_NS,
+        "waited {waited} ns, past the deadline"
+    );
+    assert_eq!(manager.counters().reset_drain_timeouts, 1);
+    assert_eq!(
+        manager.tier_counters(0).map(|c| c.reset_jobs_cancelled),
+        Some(1)
+    );
+    // The cancelled job was reported before the pool's slots were freed, exactly once.
+    assert_eq!(manager.tier_jobs_in_flight(), 0);
+    tier.with(|t| {
+        assert!(t.open.is_empty(), "{:?}", t.open);
+        assert_eq!(t.reported.len(), 1);
+        assert_eq!(t.reported_twice, 0);
+        assert!(
+            t.inner.violations().is_empty(),
+            "{:?}",
+            t.inner.violations()
+        );
+    });
+    assert_eq!(manager.host().len(), 0);
+
+    // A tier that answers in time costs the reset no timeout.
+    tier.with(|t| t.inner.faults_mut().stall = false);
+    manager
+        .prepare_store(&[key(3)], r, &mut prepared)
+        .expect("room after the reset");
+    manager.complete_store(&prepared.keys, true);
+    manager.reset();
+    assert_eq!(manager.counters().reset_drain_timeouts, 1);
+    assert_eq!(manager.tier_jobs_in_flight(), 0);
+    manager.on_request_finished(r);
+    assert!(
+        manager.outstanding().is_empty(),
+        "{:?}",
+        manager.outstanding()
+    );
+    assert_eq!(manager.counters().invariant_failures, 0);
 }
