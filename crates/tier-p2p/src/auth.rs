@@ -2,6 +2,12 @@
 //! shared secret. The proof binds the role (client or server), the other side's nonce and the
 //! namespace, so a proof cannot be reflected back, replayed on another connection, or reused in
 //! another namespace.
+//!
+//! After the proofs, both sides derive a per-connection session key from the secret, both nonces
+//! and the namespace ([`session_key`]), and every chunk payload on that connection (DATA, PUT,
+//! and the digests of a NIXL_OFFER) carries a keyed BLAKE3 tag under it ([`ChunkAuth`]) instead
+//! of the unkeyed xxh3, so neither a peer without the secret nor anything on the path can serve
+//! bytes that verify. Without a secret (loopback only) the tag is the xxh3 checksum.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -12,7 +18,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-use crate::frame::{MAC_BYTES, NONCE_BYTES};
+use offload_core::ChunkKey;
+
+use crate::frame::{FrameKind, MAC_BYTES, NONCE_BYTES};
 
 /// Which side of a connection computes a proof.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,9 +106,168 @@ pub fn verify(
         .is_ok()
 }
 
+/// The session key of one connection: HMAC-SHA256(secret, "kvtier-session" | client nonce |
+/// server nonce | namespace). Both sides know both nonces after the handshake; each connection
+/// gets its own key, so a tag cannot be replayed on another connection.
+pub fn session_key(
+    secret: &[u8],
+    client_nonce: &[u8; NONCE_BYTES],
+    server_nonce: &[u8; NONCE_BYTES],
+    namespace: &[u8],
+) -> [u8; MAC_BYTES] {
+    let mut mac = match Hmac::<Sha256>::new_from_slice(secret) {
+        Ok(mac) => mac,
+        Err(_) => unreachable_key(),
+    };
+    mac.update(b"kvtier-session");
+    mac.update(client_nonce);
+    mac.update(server_nonce);
+    mac.update(namespace);
+    mac.finalize().into_bytes().into()
+}
+
+/// How a connection protects chunk payloads: the plain xxh3 checksum (no secret, loopback only)
+/// or a keyed BLAKE3 MAC under the session key, over the frame kind, the chunk key and the
+/// payload, cut to the 64 bits of the frame's checksum field. (A forger must guess 64 bits per
+/// try, and every wrong try fails that chunk and is counted.)
+#[derive(Clone, Default)]
+pub(crate) enum ChunkAuth {
+    /// xxh3-64 of the payload.
+    #[default]
+    Checksum,
+    /// Keyed BLAKE3 under this session key.
+    Keyed([u8; MAC_BYTES]),
+}
+
+impl std::fmt::Debug for ChunkAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChunkAuth::Checksum => f.write_str("Checksum"),
+            ChunkAuth::Keyed(_) => f.write_str("Keyed(<redacted>)"),
+        }
+    }
+}
+
+impl ChunkAuth {
+    /// Whether tags are keyed (a failed one is a MAC failure, not only a checksum mismatch).
+    pub(crate) fn is_keyed(&self) -> bool {
+        matches!(self, ChunkAuth::Keyed(_))
+    }
+
+    /// The tag of `payload`, sent as `kind` for `key`; `checksum` is the payload's xxh3, already
+    /// known (the tag when unkeyed).
+    pub(crate) fn tag_with(
+        &self,
+        kind: FrameKind,
+        key: ChunkKey,
+        payload: &[u8],
+        checksum: u64,
+    ) -> u64 {
+        match self {
+            ChunkAuth::Checksum => checksum,
+            ChunkAuth::Keyed(_) => {
+                let mut hasher = self.hasher(kind, key);
+                hasher.update(payload);
+                hasher.finish()
+            }
+        }
+    }
+
+    /// The tag of `payload`, sent as `kind` for `key`.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn tag(&self, kind: FrameKind, key: ChunkKey, payload: &[u8]) -> u64 {
+        match self {
+            ChunkAuth::Checksum => crate::store::checksum(payload),
+            ChunkAuth::Keyed(_) => self.tag_with(kind, key, payload, 0),
+        }
+    }
+
+    /// A streaming hasher for the payload of a `kind` frame for `key`, fed piece by piece.
+    pub(crate) fn hasher(&self, kind: FrameKind, key: ChunkKey) -> ChunkHasher {
+        match self {
+            ChunkAuth::Checksum => ChunkHasher::Checksum(twox_hash::XxHash3_64::default()),
+            ChunkAuth::Keyed(session) => {
+                let mut hasher = blake3::Hasher::new_keyed(session);
+                hasher.update(&[kind as u8]);
+                hasher.update(&key.hash.to_le_bytes());
+                hasher.update(&key.group.to_le_bytes());
+                ChunkHasher::Keyed(hasher)
+            }
+        }
+    }
+}
+
+/// The streaming form of [`ChunkAuth::tag`]. One lives on the stack per received chunk; its
+/// variants differ in size, and boxing either would cost an allocation per chunk.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum ChunkHasher {
+    /// xxh3-64.
+    Checksum(twox_hash::XxHash3_64),
+    /// Keyed BLAKE3.
+    Keyed(blake3::Hasher),
+}
+
+impl ChunkHasher {
+    /// Feeds the next bytes of the payload.
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
+        match self {
+            ChunkHasher::Checksum(hasher) => std::hash::Hasher::write(hasher, bytes),
+            ChunkHasher::Keyed(hasher) => {
+                hasher.update(bytes);
+            }
+        }
+    }
+
+    /// The tag of all bytes fed.
+    pub(crate) fn finish(&self) -> u64 {
+        match self {
+            ChunkHasher::Checksum(hasher) => std::hash::Hasher::finish(hasher),
+            ChunkHasher::Keyed(hasher) => {
+                let mut tag = [0u8; 8];
+                tag.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+                u64::from_le_bytes(tag)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keyed_tags_bind_session_kind_key_and_bytes() {
+        let key = ChunkKey { hash: 7, group: 1 };
+        let bytes = vec![3u8; 5000];
+        let session = session_key(b"secret-secret-16", &[1; 32], &[2; 32], b"ns");
+        assert_ne!(
+            session,
+            session_key(b"secret-secret-16", &[2; 32], &[1; 32], b"ns")
+        );
+        let auth = ChunkAuth::Keyed(session);
+        let tag = auth.tag(FrameKind::Data, key, &bytes);
+        let mut streamed = auth.hasher(FrameKind::Data, key);
+        for piece in bytes.chunks(999) {
+            streamed.update(piece);
+        }
+        assert_eq!(streamed.finish(), tag);
+        assert_ne!(tag, crate::store::checksum(&bytes));
+        assert_ne!(tag, auth.tag(FrameKind::Put, key, &bytes));
+        assert_ne!(
+            tag,
+            auth.tag(FrameKind::Data, ChunkKey { hash: 8, group: 1 }, &bytes)
+        );
+        let mut flipped = bytes.clone();
+        flipped[4000] ^= 1;
+        assert_ne!(tag, auth.tag(FrameKind::Data, key, &flipped));
+        let other = ChunkAuth::Keyed(session_key(b"secret-secret-17", &[1; 32], &[2; 32], b"ns"));
+        assert_ne!(tag, other.tag(FrameKind::Data, key, &bytes));
+        let plain = ChunkAuth::Checksum;
+        assert_eq!(
+            plain.tag(FrameKind::Data, key, &bytes),
+            crate::store::checksum(&bytes)
+        );
+    }
 
     #[test]
     fn nonces_differ() {

@@ -373,14 +373,11 @@ impl Client {
                 }
                 let conn = self.conn(p);
                 conn.set_deadline(deadline);
+                let tag =
+                    conn.chunk_auth()
+                        .tag_with(FrameKind::Put, key, &chunk.bytes, chunk.checksum);
                 let sent = conn
-                    .send_chunk(
-                        FrameKind::Put,
-                        key,
-                        chunk.checksum,
-                        &chunk.bytes,
-                        "send PUT",
-                    )
+                    .send_chunk(FrameKind::Put, key, tag, &chunk.bytes, "send PUT")
                     .and_then(|()| recv_end_frame(conn, "receive PUT answer"));
                 match sent {
                     Ok(1) => add(&self.shared.counters.chunks_pushed, 1),
@@ -615,7 +612,7 @@ impl Client {
         }
         let mut prefix = [0u8; DATA_PREFIX_BYTES];
         self.conn(p).read_exact(&mut prefix, "receive DATA")?;
-        let (key, sum) = decode_data_prefix(&prefix);
+        let (key, tag) = decode_data_prefix(&prefix);
         let payload_len = body_len - DATA_PREFIX_BYTES;
         let Some(&i) = batch.iter().find(|&&i| work.chunks[i].0 == key && !done[i]) else {
             return Err(Stop::Failed(
@@ -636,13 +633,13 @@ impl Client {
                 // `Tier` contract), so nothing else reads or writes it now; `slot_ptr` points at
                 // `slot_bytes` contiguous bytes and `len <= slot_bytes` was checked at submit.
                 let dst = unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len as usize) };
-                receive_hashed(self.conn(p), dst)? == sum
+                receive_hashed(self.conn(p), key, dst)? == tag
             }
             None => {
                 let mut scratch = std::mem::take(&mut self.scratch);
                 scratch.resize(payload_len, 0);
-                let received = receive_hashed(self.conn(p), &mut scratch);
-                let verified = received.as_ref().is_ok_and(|&h| h == sum);
+                let received = receive_hashed(self.conn(p), key, &mut scratch);
+                let verified = received.as_ref().is_ok_and(|&h| h == tag);
                 if verified {
                     self.memory.write_slot(slot, 0, &scratch);
                 }
@@ -652,9 +649,10 @@ impl Client {
             }
         };
         if !verified {
-            add(&self.shared.counters.checksum_mismatches, 1);
+            let keyed = self.conn(p).chunk_auth().is_keyed();
+            self.shared.counters.tag_failed(keyed);
             log(format_args!(
-                "peer {} sent {key:?} with a checksum mismatch; not loaded",
+                "peer {} sent {key:?} with a checksum or MAC mismatch; not loaded",
                 self.peers[p].addr
             ));
             return Ok(());
@@ -904,13 +902,13 @@ fn recv_end(conn: &mut Conn, header: crate::frame::FrameHeader) -> Result<u32, P
 }
 
 /// Fills `dst` from the stream piece by piece, hashing each piece while it is still in cache;
-/// returns the xxh3-64 of all of `dst` (equal to [`crate::checksum`] of it).
-fn receive_hashed(conn: &mut Conn, dst: &mut [u8]) -> Result<u64, P2pError> {
-    use std::hash::Hasher;
-    let mut hasher = twox_hash::XxHash3_64::default();
+/// returns the tag of all of `dst` as DATA for `key` on this connection (the xxh3-64 of it, or
+/// with a secret the keyed BLAKE3 under the session key: [`crate::auth::ChunkAuth`]).
+fn receive_hashed(conn: &mut Conn, key: ChunkKey, dst: &mut [u8]) -> Result<u64, P2pError> {
+    let mut hasher = conn.chunk_auth().hasher(FrameKind::Data, key);
     for piece in dst.chunks_mut(HASH_PIECE_BYTES) {
         conn.read_exact(piece, "receive DATA payload")?;
-        hasher.write(piece);
+        hasher.update(piece);
     }
     Ok(hasher.finish())
 }

@@ -13,7 +13,6 @@ use crate::frame::{Frame, FrameError, FrameKind, NixlChunk};
 use crate::nixl::{ReadEnd, ReadPair};
 use crate::shared::log;
 use crate::stats::add;
-use crate::store::checksum;
 use crate::worker::Work;
 
 /// Most keys in one NIXL_GET, so that an offer (metadata grows with its chunks) stays small.
@@ -230,10 +229,12 @@ impl Client {
         // contract), the READ into it has completed, and `len <= slot_bytes` was checked at
         // submit; `slot_ptr` points at `slot_bytes` contiguous bytes.
         let bytes = unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len as usize) };
-        if checksum(bytes) != sum {
-            add(&self.shared.counters.checksum_mismatches, 1);
+        let auth = self.conn(p).chunk_auth().clone();
+        let keyed = auth.is_keyed();
+        if auth.tag(FrameKind::NixlOffer, key, bytes) != sum {
+            self.shared.counters.tag_failed(keyed);
             log(format_args!(
-                "peer {} sent {key:?} by NIXL with a checksum mismatch; not loaded",
+                "peer {} sent {key:?} by NIXL with a checksum or MAC mismatch; not loaded",
                 self.peers[p].addr
             ));
             return;

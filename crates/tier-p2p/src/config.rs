@@ -172,6 +172,25 @@ impl P2pConfig {
                 ),
             );
         }
+        if self.secret.is_none() {
+            // Without a secret nothing authenticates the stream: talk to loopback peers only.
+            if let Some(peer) = self.peers.iter().find(|p| !p.is_loopback()) {
+                return config(
+                    "peers",
+                    format!(
+                        "{peer} is not a loopback address; peers beyond loopback require `secret`"
+                    ),
+                );
+            }
+            if let Some(peer) = self.peers_dns.as_ref().filter(|p| !p.is_loopback()) {
+                return config(
+                    "peers_dns",
+                    format!(
+                        "{peer} is not a loopback address; peers beyond loopback require `secret`"
+                    ),
+                );
+            }
+        }
         if self.secret.as_ref().is_some_and(|s| s.len() < 16) {
             return config("secret", "must be at least 16 bytes".to_owned());
         }
@@ -289,6 +308,41 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         base().validate(4 << 20).expect("defaults");
+    }
+
+    #[test]
+    fn non_loopback_peers_need_a_secret() {
+        for peer in ["10.0.0.7:7070", "[2001:db8::1]:7070", "node-b.cluster:7070"] {
+            let mut config = base();
+            config.peers = vec![
+                "127.0.0.1:7070".parse().expect("peer"),
+                peer.parse().expect("peer"),
+            ];
+            let error = config
+                .validate(1024)
+                .expect_err("a remote peer without a secret");
+            let text = error.to_string();
+            assert_eq!(field_of(Err(error)), "peers", "{peer}");
+            assert!(text.contains("`secret`"), "{text}");
+            let shown = peer.parse::<PeerAddr>().expect("peer").to_string();
+            assert!(text.contains(&shown), "{text} names {shown}");
+            config.secret = Some(vec![7; 32]);
+            config.validate(1024).expect("allowed with a secret");
+        }
+        let mut config = base();
+        config.peers = vec![
+            "127.0.0.1:7070".parse().expect("peer"),
+            "[::1]:7070".parse().expect("peer"),
+            "localhost:7070".parse().expect("peer"),
+        ];
+        config
+            .validate(1024)
+            .expect("loopback peers need no secret");
+        let mut config = base();
+        config.peers_dns = Some("peers.svc:7070".parse().expect("name"));
+        assert_eq!(field_of(config.validate(1024)), "peers_dns");
+        config.secret = Some(vec![7; 32]);
+        config.validate(1024).expect("allowed with a secret");
     }
 
     #[test]

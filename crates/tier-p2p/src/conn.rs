@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use offload_core::ChunkKey;
 
+use crate::auth::ChunkAuth;
 use crate::error::P2pError;
 use crate::frame::{encode_chunk_prefix, Frame, FrameHeader, FrameKind, FrameReader, ReadError};
 
@@ -113,6 +114,8 @@ pub(crate) struct Conn {
     out: Vec<u8>,
     /// The span of the current deadline, for error messages.
     span: Duration,
+    /// How chunk payloads are tagged on this connection (set by the handshake).
+    chunk_auth: ChunkAuth,
 }
 
 impl Conn {
@@ -146,6 +149,7 @@ impl Conn {
             writer: Timed::new(stream),
             frames: FrameReader::new(body_max),
             out: Vec::new(),
+            chunk_auth: ChunkAuth::Checksum,
             span: zero,
         })
     }
@@ -194,6 +198,16 @@ impl Conn {
         frame.encode(&mut self.out);
         let result = self.writer.write_all(&self.out);
         result.map_err(|e| self.io_error(op, e))
+    }
+
+    /// How chunk payloads are tagged on this connection.
+    pub(crate) fn chunk_auth(&self) -> &ChunkAuth {
+        &self.chunk_auth
+    }
+
+    /// Sets how chunk payloads are tagged (the handshake does, once the secret is proven).
+    pub(crate) fn set_chunk_auth(&mut self, auth: ChunkAuth) {
+        self.chunk_auth = auth;
     }
 
     /// Sends one DATA frame, its payload straight from `payload`.

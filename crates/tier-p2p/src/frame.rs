@@ -7,18 +7,23 @@
 //!
 //! | kind | body |
 //! |------|------|
-//! | HELLO (1) | `"KVP2" | u16 version | u8 flags (bit 0: shared secret configured) | 32-byte nonce | u16 n | n namespace bytes` |
+//! | HELLO (1) | `"KVP2" | u16 version | u8 flags (bit 0: shared secret configured) | 32-byte nonce | u16 n | n namespace bytes` (n = 0 with a secret: the proofs bind the namespace) |
 //! | AUTH (2) | 32-byte HMAC-SHA256 (see [`crate::auth`]) |
 //! | HAVE (3) | `u32 count | count keys` |
 //! | HAVE_REPLY (4) | `u32 count | ceil(count / 8) bytes of bitmap (bit i of byte i / 8: key i is held)` |
 //! | GET (5) | `u32 count | count keys` |
-//! | DATA (6) | `key | u64 xxh3 checksum | payload` (the payload's length is the body's, less 20) |
+//! | DATA (6) | `key | u64 tag | payload` (the payload's length is the body's, less 20; the tag: see below) |
 //! | END (7) | `u32 number of DATA frames sent for the GET` |
 //! | ERROR (8) | UTF-8 message, at most 1024 bytes |
 //! | NIXL_GET (9) | `u32 count | count keys` |
-//! | NIXL_OFFER (10) | `u32 c | c bytes of NIXL connection metadata | u32 n | n bytes of NIXL metadata of the chunks | u32 count | count × (key | u64 xxh3 | u64 address | u32 length)` |
+//! | NIXL_OFFER (10) | `u32 c | c bytes of NIXL connection metadata | u32 n | n bytes of NIXL metadata of the chunks | u32 count | count × (key | u64 tag | u64 address | u32 length)` |
 //! | NIXL_DONE (11) | empty |
-//! | PUT (12) | `key | u64 xxh3 checksum | payload`, as DATA |
+//! | PUT (12) | `key | u64 tag | payload`, as DATA |
+//!
+//! A chunk's tag (DATA, PUT, each chunk of NIXL_OFFER) is the xxh3-64 of its bytes when the
+//! connection has no shared secret (loopback only); with one, it is the first 8 bytes
+//! (little-endian) of keyed BLAKE3 under the connection's session key over `u8 frame kind | u64
+//! key hash | u32 key group | bytes` (see [`crate::auth::ChunkAuth`]).
 //!
 //! A GET is answered by one DATA frame per requested key that the server holds, in request
 //! order, then END; keys without a DATA frame are not held. A NIXL_GET is answered by one NIXL_OFFER:
@@ -36,8 +41,9 @@ use offload_core::ChunkKey;
 use thiserror::Error;
 
 /// The protocol version this crate speaks; a peer with another version is refused. Version 2
-/// added NIXL_GET, NIXL_OFFER and NIXL_DONE; version 3 added PUT.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// added NIXL_GET, NIXL_OFFER and NIXL_DONE; version 3 added PUT; version 4 tags chunks with
+/// the session key when a secret is set, and HELLO carries no namespace then.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// The first bytes of every HELLO body.
 pub const MAGIC: [u8; 4] = *b"KVP2";
 /// Bytes of a frame header: body length (4) and kind (1).
@@ -165,7 +171,7 @@ pub struct Hello {
 pub struct NixlChunk {
     /// The chunk's key.
     pub key: ChunkKey,
-    /// xxh3-64 of the chunk's bytes, computed where it was published.
+    /// The chunk's tag: xxh3-64 of its bytes, or keyed BLAKE3 with a secret (see the module doc).
     pub checksum: u64,
     /// The chunk's address in the server's registered memory.
     pub addr: u64,
@@ -193,7 +199,7 @@ pub enum Frame<'a> {
     Data {
         /// The chunk's key.
         key: ChunkKey,
-        /// xxh3-64 of the payload, computed where the chunk was published.
+        /// The payload's tag: xxh3-64, or keyed BLAKE3 with a secret (see the module doc).
         checksum: u64,
         /// The chunk's bytes.
         payload: &'a [u8],
@@ -222,7 +228,7 @@ pub enum Frame<'a> {
     Put {
         /// The chunk's key.
         key: ChunkKey,
-        /// xxh3-64 of the payload, computed where the chunk was published.
+        /// The payload's tag: xxh3-64, or keyed BLAKE3 with a secret (see the module doc).
         checksum: u64,
         /// The chunk's bytes.
         payload: &'a [u8],

@@ -4,10 +4,15 @@
 //! nonce (AUTH); only after checking that proof does the server answer the client's nonce, which
 //! the client checks in turn. Any mismatch refuses the connection with a clear reason, sent to
 //! the other side in an ERROR frame and returned as [`P2pError::Refused`].
+//!
+//! With a secret, HELLO carries no namespace (nothing of it goes out before the other side has
+//! proven the secret): the namespace is bound into both proofs instead, so a namespace mismatch
+//! shows as a proof that does not verify. Once both proofs verified, both sides tag every chunk
+//! payload with the session key ([`auth::session_key`], [`crate::auth::ChunkAuth`]).
 
 use std::time::Duration;
 
-use crate::auth::{self, Role};
+use crate::auth::{self, ChunkAuth, Role};
 use crate::conn::Conn;
 use crate::error::P2pError;
 use crate::frame::{Frame, FrameError, Hello};
@@ -66,13 +71,6 @@ fn mismatch(ours: &Identity, role: Role, hello: &Hello) -> Option<String> {
         Role::Client => ("client", "server"),
         Role::Server => ("server", "client"),
     };
-    if hello.namespace != ours.namespace {
-        return Some(format!(
-            "namespace mismatch: the {we}'s is {}, the {they}'s is {}",
-            String::from_utf8_lossy(&ours.namespace),
-            String::from_utf8_lossy(&hello.namespace)
-        ));
-    }
     match (ours.secret.is_some(), hello.secret_required) {
         (true, false) => Some(format!(
             "the {we} requires a shared secret and the {they} has none"
@@ -80,15 +78,27 @@ fn mismatch(ours: &Identity, role: Role, hello: &Hello) -> Option<String> {
         (false, true) => Some(format!(
             "the {they} requires a shared secret and the {we} has none"
         )),
-        _ => None,
+        // With a secret the namespace is checked by the proofs (HELLO does not carry it).
+        (true, true) => None,
+        (false, false) if hello.namespace != ours.namespace => Some(format!(
+            "namespace mismatch: the {we}'s is {}, the {they}'s is {}",
+            String::from_utf8_lossy(&ours.namespace),
+            String::from_utf8_lossy(&hello.namespace)
+        )),
+        (false, false) => None,
     }
 }
 
+/// Our HELLO: with a secret, without the namespace (it is proven, not announced).
 fn hello(ours: &Identity, nonce: [u8; 32]) -> Frame<'static> {
+    let namespace = match ours.secret {
+        Some(_) => Vec::new(),
+        None => ours.namespace.clone(),
+    };
     Frame::Hello(Hello {
         secret_required: ours.secret.is_some(),
         nonce,
-        namespace: ours.namespace.clone(),
+        namespace,
     })
 }
 
@@ -168,9 +178,12 @@ pub(crate) fn client(conn: &mut Conn, ours: &Identity, timeout: Duration) -> Res
     ) {
         return Err(refuse(
             conn,
-            "the server's HMAC proof does not verify (wrong shared secret?)".to_owned(),
+            "the server's HMAC proof does not verify (wrong shared secret or namespace?)"
+                .to_owned(),
         ));
     }
+    let session = auth::session_key(secret, &our_nonce, &theirs.nonce, &ours.namespace);
+    conn.set_chunk_auth(ChunkAuth::Keyed(session));
     Ok(())
 }
 
@@ -196,10 +209,13 @@ pub(crate) fn server(conn: &mut Conn, ours: &Identity, timeout: Duration) -> Res
     ) {
         return Err(refuse(
             conn,
-            "the client's HMAC proof does not verify (wrong shared secret?)".to_owned(),
+            "the client's HMAC proof does not verify (wrong shared secret or namespace?)"
+                .to_owned(),
         ));
     }
     let proof = auth::prove(secret, Role::Server, &theirs.nonce, &ours.namespace);
     conn.send(&Frame::Auth(proof), "send AUTH")?;
+    let session = auth::session_key(secret, &theirs.nonce, &our_nonce, &ours.namespace);
+    conn.set_chunk_auth(ChunkAuth::Keyed(session));
     Ok(())
 }

@@ -59,6 +59,15 @@ impl PeerAddr {
         }
     }
 
+    /// Whether it is certainly a loopback peer (no resolution): a loopback IP literal, or the
+    /// name `localhost`. Any other name may resolve beyond loopback.
+    pub fn is_loopback(&self) -> bool {
+        match self {
+            PeerAddr::Ip(addr) => addr.ip().is_loopback(),
+            PeerAddr::Name { host, .. } => host == "localhost",
+        }
+    }
+
     /// Every address the name resolves to now (an IP address is itself), waiting at most
     /// `timeout` for the resolver. A resolver that takes longer is left to finish on its own
     /// thread, and this answers `TimedOut`.

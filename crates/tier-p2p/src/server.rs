@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use offload_core::ChunkKey;
 
+use crate::auth::ChunkAuth;
 use crate::config::P2pConfig;
 use crate::conn::Conn;
 use crate::error::{P2pError, P2pErrorKind};
@@ -300,7 +301,7 @@ fn serve(shared: &Shared, stream: TcpStream, peer: SocketAddr) -> Result<(), P2p
             }
             Request::NixlGet(keys) => {
                 check_count(&mut conn, keys.len(), config.keys_per_request_max)?;
-                let offer = offer(shared, &keys, &mut lent);
+                let offer = offer(shared, &conn.chunk_auth().clone(), &keys, &mut lent);
                 let frame = Frame::NixlOffer {
                     connection: &offer.connection,
                     metadata: &offer.metadata,
@@ -368,7 +369,12 @@ struct Offer {
 /// of the held chunks (registered on first offer), and the chunks, which go into `lent`.
 /// Without a NIXL data plane the offer is empty, which tells the client to use GET.
 #[cfg(feature = "nixl")]
-fn offer(shared: &Shared, keys: &[ChunkKey], lent: &mut Vec<Arc<PublishedChunk>>) -> Offer {
+fn offer(
+    shared: &Shared,
+    auth: &ChunkAuth,
+    keys: &[ChunkKey],
+    lent: &mut Vec<Arc<PublishedChunk>>,
+) -> Offer {
     let Some(plane) = shared.nixl.get() else {
         return Offer::default();
     };
@@ -393,7 +399,7 @@ fn offer(shared: &Shared, keys: &[ChunkKey], lent: &mut Vec<Arc<PublishedChunk>>
         spans.push((addr, len));
         chunks.push(NixlChunk {
             key,
-            checksum: chunk.checksum,
+            checksum: auth.tag_with(FrameKind::NixlOffer, key, &chunk.bytes, chunk.checksum),
             addr: addr as u64,
             len: len as u32,
         });
@@ -424,7 +430,12 @@ fn offer(shared: &Shared, keys: &[ChunkKey], lent: &mut Vec<Arc<PublishedChunk>>
 
 /// Without the `nixl` feature there is no NIXL data plane: an empty offer.
 #[cfg(not(feature = "nixl"))]
-fn offer(_shared: &Shared, _keys: &[ChunkKey], _lent: &mut Vec<Arc<PublishedChunk>>) -> Offer {
+fn offer(
+    _shared: &Shared,
+    _auth: &ChunkAuth,
+    _keys: &[ChunkKey],
+    _lent: &mut Vec<Arc<PublishedChunk>>,
+) -> Offer {
     Offer::default()
 }
 
@@ -445,13 +456,15 @@ fn receive_put(shared: &Shared, conn: &mut Conn, body_len: usize) -> Result<bool
     }
     let mut prefix = [0u8; DATA_PREFIX_BYTES];
     conn.read_exact(&mut prefix, "receive PUT")?;
-    let (key, sum) = decode_data_prefix(&prefix);
+    let (key, tag) = decode_data_prefix(&prefix);
     let mut bytes = vec![0u8; body_len - DATA_PREFIX_BYTES].into_boxed_slice();
     conn.read_exact(&mut bytes, "receive PUT payload")?;
-    if checksum(&bytes) != sum {
-        add(&shared.counters.checksum_mismatches, 1);
+    let sum = checksum(&bytes);
+    let auth = conn.chunk_auth();
+    if auth.tag_with(FrameKind::Put, key, &bytes, sum) != tag {
+        shared.counters.tag_failed(auth.is_keyed());
         log(format_args!(
-            "peer {} pushed {key:?} with a checksum mismatch; not stored",
+            "peer {} pushed {key:?} with a checksum or MAC mismatch; not stored",
             conn.peer()
         ));
         return Ok(false);
@@ -474,7 +487,10 @@ fn send_chunks(shared: &Shared, conn: &mut Conn, keys: &[ChunkKey]) -> Result<()
         let Some(chunk) = lock(&shared.store).get(key) else {
             continue;
         };
-        conn.send_data(key, chunk.checksum, &chunk.bytes, "send DATA")?;
+        let tag = conn
+            .chunk_auth()
+            .tag_with(FrameKind::Data, key, &chunk.bytes, chunk.checksum);
+        conn.send_data(key, tag, &chunk.bytes, "send DATA")?;
         sent += 1;
         add(&shared.counters.chunks_served, 1);
         add(&shared.counters.bytes_served, chunk.bytes.len() as u64);

@@ -45,6 +45,9 @@ pub struct P2pStats {
     pub bytes_served: u64,
     /// Chunks whose bytes did not match their checksum (never loaded).
     pub checksum_mismatches: u64,
+    /// Of `checksum_mismatches`, those on a connection with a shared secret: chunks whose keyed
+    /// tag did not verify (a peer or the path altered them, or a peer without the session key).
+    pub mac_failures: u64,
     /// Keys of load jobs that failed.
     pub load_keys_failed: u64,
     /// Times a peer was marked down after a failure.
@@ -76,6 +79,7 @@ pub(crate) struct Counters {
     pub(crate) chunks_served: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
     pub(crate) checksum_mismatches: AtomicU64,
+    pub(crate) mac_failures: AtomicU64,
     pub(crate) load_keys_failed: AtomicU64,
     pub(crate) peer_failures: AtomicU64,
     pub(crate) handshakes_refused: AtomicU64,
@@ -89,6 +93,14 @@ pub(crate) fn add(counter: &AtomicU64, n: u64) {
 }
 
 impl Counters {
+    /// Counts a chunk that failed its tag (`keyed`: on a connection with a shared secret).
+    pub(crate) fn tag_failed(&self, keyed: bool) {
+        add(&self.checksum_mismatches, 1);
+        if keyed {
+            add(&self.mac_failures, 1);
+        }
+    }
+
     /// A snapshot, with the store's current size.
     pub(crate) fn snapshot(&self, published_chunks: u64, published_bytes: u64) -> P2pStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
@@ -111,6 +123,7 @@ impl Counters {
             chunks_served: get(&self.chunks_served),
             bytes_served: get(&self.bytes_served),
             checksum_mismatches: get(&self.checksum_mismatches),
+            mac_failures: get(&self.mac_failures),
             load_keys_failed: get(&self.load_keys_failed),
             peer_failures: get(&self.peer_failures),
             handshakes_refused: get(&self.handshakes_refused),

@@ -173,14 +173,19 @@ fn a_peer_named_localhost_is_found_and_fetched_from() {
 
 #[test]
 fn a_name_that_does_not_resolve_is_a_down_peer_not_a_failure() {
-    let (mut a, a_memory) = instance(Vec::new(), |_| {});
+    // A peer name other than localhost may resolve beyond loopback: it needs a secret.
+    let secret = |c: &mut P2pConfig| c.secret = Some(b"a shared secret, 16+ bytes".to_vec());
+    let (mut a, a_memory) = instance(Vec::new(), secret);
     publish_range(&mut a, &a_memory, 0, 2);
     let unknown: PeerAddr = "no-such-peer.invalid:7071".parse().expect("host:port");
     let known: PeerAddr = format!("localhost:{}", a.local_addr().port())
         .parse()
         .expect("host:port");
     // Two members, two owners: every key is asked of both.
-    let (mut b, memory) = instance(vec![unknown.clone(), known.clone()], |c| c.owners = 2);
+    let (mut b, memory) = instance(vec![unknown.clone(), known.clone()], |c| {
+        c.owners = 2;
+        secret(c);
+    });
     assert_eq!(
         common::settle(&mut b, common::key(0), WAIT),
         TierLookup::Hit

@@ -34,6 +34,7 @@ fn nixl_tests_ran_or_report_why_not() {
 fn run_checks() {
     eprintln!("NIXL available: running tier-p2p's NIXL data-plane checks");
     checks::fetch_over_nixl_lands_verified_bytes_in_the_slots();
+    checks::fetch_over_nixl_with_a_secret_verifies_keyed_tags();
     checks::fetcher_with_nixl_off_uses_tcp();
     checks::server_with_nixl_off_makes_the_fetcher_fall_back_to_tcp();
     checks::a_mismatched_length_is_not_loaded_and_the_rest_is();
@@ -123,6 +124,32 @@ mod checks {
         // A second load of other slots' worth reuses the registrations and the loaded metadata.
         load(&mut pair, 2, &[5, 4, 3]);
         assert_eq!(pair.b.stats().chunks_fetched_nixl, 9);
+        pair.a.shutdown();
+        pair.b.shutdown();
+    }
+
+    /// With a shared secret the offer's per-chunk tags are keyed BLAKE3 under the session key,
+    /// and the READ bytes verify against them.
+    pub fn fetch_over_nixl_with_a_secret_verifies_keyed_tags() {
+        let secret = b"a shared secret, 16+ bytes".to_vec();
+        let a_memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(3, LEN as usize));
+        let mut a_config = common::config(Vec::new());
+        a_config.secret = Some(secret.clone());
+        let mut a = P2pTier::new(a_config, Arc::clone(&a_memory)).expect("instance A");
+        common::publish(&mut a, &a_memory, 3, LEN);
+        let b_memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(3, LEN as usize));
+        let mut b_config = common::config(vec![a.local_addr()]);
+        b_config.secret = Some(secret);
+        b_config.fetch_deadline = DEADLINE;
+        let b = P2pTier::new(b_config, Arc::clone(&b_memory)).expect("instance B");
+        let mut pair = Pair { a, b, b_memory };
+        load(&mut pair, 1, &[0, 1, 2]);
+        let b = pair.b.stats();
+        assert_eq!(
+            b.chunks_fetched_nixl, 3,
+            "bytes did not move by NIXL: {b:?}"
+        );
+        assert_eq!(b.mac_failures, 0, "{b:?}");
         pair.a.shutdown();
         pair.b.shutdown();
     }
