@@ -5,7 +5,7 @@
 //!
 //! After the proofs, both sides derive a per-connection session key from the secret, both nonces
 //! and the namespace ([`session_key`]), and every chunk payload on that connection (DATA, PUT,
-//! and the digests of a NIXL_OFFER) carries a keyed BLAKE3 tag under it ([`ChunkAuth`]) instead
+//! and the digests of a NIXL_OFFER) carries a keyed BLAKE3 tag under it (`ChunkAuth`) instead
 //! of the unkeyed xxh3, so neither a peer without the secret nor anything on the path can serve
 //! bytes that verify. Without a secret (loopback only) the tag is the xxh3 checksum.
 

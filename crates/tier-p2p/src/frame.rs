@@ -23,7 +23,7 @@
 //! A chunk's tag (DATA, PUT, each chunk of NIXL_OFFER) is the xxh3-64 of its bytes when the
 //! connection has no shared secret (loopback only); with one, it is the first 8 bytes
 //! (little-endian) of keyed BLAKE3 under the connection's session key over `u8 frame kind | u64
-//! key hash | u32 key group | bytes` (see [`crate::auth::ChunkAuth`]).
+//! key hash | u32 key group | bytes` (see `auth::ChunkAuth`).
 //!
 //! A GET is answered by one DATA frame per requested key that the server holds, in request
 //! order, then END; keys without a DATA frame are not held. A NIXL_GET is answered by one NIXL_OFFER:
