@@ -495,9 +495,10 @@ impl PyTier {
             let failed = if c.failed.is_empty() {
                 Vec::new()
             } else {
+                let failed: std::collections::HashSet<ChunkKey> = c.failed.into_iter().collect();
                 keys.iter()
                     .enumerate()
-                    .filter(|(_, k)| c.failed.contains(k))
+                    .filter(|(_, k)| failed.contains(k))
                     .map(|(i, _)| i)
                     .collect()
             };

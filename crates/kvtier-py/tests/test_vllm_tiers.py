@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -130,7 +129,6 @@ def test_reset_cache_with_jobs_in_flight_then_go_on(engines, tmp_path):
     c2 = e.ctx("after-reset")
     # The CPU tier forgot everything; the disk tier kept what it finished storing.
     hits = e.load_prefix(c2, keys)
-    assert hits in range(0, 9)
     e.finish(c2)
     stored = e.tiers[0].native_stats()["chunks_stored"]
     assert hits == stored or hits == 8, (hits, stored)
@@ -216,24 +214,6 @@ def test_environment_overrides_the_entry(engines, tmp_path, monkeypatch):
     e = engines([fs_entry(tmp_path / "from-config")])
     assert str(tmp_path / "from-env") in e.tiers[0]._core.tier.namespace_dir
     assert not (tmp_path / "from-config").exists()
-
-
-def test_lookup_overhead_is_measured(engines, tmp_path, capsys):
-    """Not a timed assertion: prints the per-lookup cost from Python so the closing note can
-    quote it; the benchmark script (bench_lookup.py) is the real measurement."""
-    e = engines([fs_entry(tmp_path)])
-    tier = e.tiers[0]
-    keys = prefix_keys("bench", 256)
-    from vllm.v1.kv_offload.base import ReqContext
-
-    ctx = ReqContext(req_id="b")
-    t0 = time.perf_counter()
-    for _ in range(20):
-        for k in keys:
-            tier.lookup(k, ctx)
-    per = (time.perf_counter() - t0) / (20 * len(keys))
-    assert per > 0
-    print(f"kvtier fs lookup from Python: {per * 1e6:.2f} us per chunk")
 
 
 def test_fs_evictions_are_published_as_removed_events(engines, tmp_path):

@@ -7,9 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
-};
+use offload_core::tier::{SlotMemory, SubmitError, Tier, TierLookup, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_obj::object_store::memory::InMemory;
 use tier_obj::object_store::path::Path;
@@ -18,7 +16,11 @@ use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tier_obj::{Backend, ObjTier, ObjTierConfig};
 use tier_testkit::VecSlotMemory;
 
+use common::{job, wait, wait_all};
+
 const SLOT_BYTES: usize = 16 * 1024;
+/// How long a job may take here (the in-memory backend answers at once).
+const WAIT: Duration = Duration::from_secs(10);
 
 fn memory() -> Arc<VecSlotMemory> {
     Arc::new(VecSlotMemory::new(32, SLOT_BYTES))
@@ -26,39 +28,6 @@ fn memory() -> Arc<VecSlotMemory> {
 
 fn key(i: u64) -> ChunkKey {
     ChunkKey::new(0x00C0_FFEE_0000 + i, (i % 3) as u32)
-}
-
-fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {
-    TierJob {
-        id: JobId(id),
-        request: None,
-        op,
-        chunks,
-    }
-}
-
-/// Polls until `id` completes (10 s at most).
-fn wait(tier: &mut dyn Tier, id: u64) -> TierCompletion {
-    wait_all(tier, &[id]).remove(0)
-}
-
-/// Polls until every job of `ids` completed (10 s at most); their completions in `ids` order.
-fn wait_all(tier: &mut dyn Tier, ids: &[u64]) -> Vec<TierCompletion> {
-    let until = Instant::now() + Duration::from_secs(10);
-    let mut out = Vec::new();
-    loop {
-        tier.poll(&mut out);
-        if ids.iter().all(|&id| out.iter().any(|c| c.id == JobId(id))) {
-            assert_eq!(out.len(), ids.len(), "unexpected completions: {out:?}");
-            out.sort_by_key(|c| ids.iter().position(|&id| c.id == JobId(id)));
-            return out;
-        }
-        assert!(
-            Instant::now() < until,
-            "jobs {ids:?} did not complete within 10 s"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 fn block_on<T>(fut: impl std::future::Future<Output = T>) -> T {
@@ -88,7 +57,7 @@ fn warm_restart_rebuilds_the_index_and_loads_byte_identical() {
         let mut tier = common::tier(common::config(), store, mem.clone());
         tier.submit(job(1, TierOp::Store, chunks.clone()))
             .expect("submit");
-        assert!(wait(&mut tier, 1).is_success());
+        assert!(wait(&mut tier, 1, WAIT).is_success());
         assert!(
             tier.stats().multipart_uploads >= 1,
             "a full slot crosses the threshold"
@@ -125,7 +94,7 @@ fn warm_restart_rebuilds_the_index_and_loads_byte_identical() {
         })
         .collect();
     tier.submit(job(2, TierOp::Load, loads)).expect("submit");
-    assert!(wait(&mut tier, 2).is_success());
+    assert!(wait(&mut tier, 2, WAIT).is_success());
     for (i, &len) in lens.iter().enumerate() {
         assert!(
             mem.matches(SlotId(16 + i as u32), len as usize, 100 + i as u64),
@@ -154,7 +123,7 @@ fn damaged_objects_fail_their_key_and_are_deleted() {
         })
         .collect();
     tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
-    assert!(wait(&mut tier, 1).is_success());
+    assert!(wait(&mut tier, 1, WAIT).is_success());
     let path = |i: u64| tier.path_of(key(i));
     let (p0, p1, p2) = (path(0), path(1), path(2));
     block_on(async {
@@ -178,7 +147,7 @@ fn damaged_objects_fail_their_key_and_are_deleted() {
         .map(|i| (key(u64::from(i)), SlotId(8 + i), 6000))
         .collect();
     tier.submit(job(2, TierOp::Load, loads)).expect("submit");
-    let done = wait(&mut tier, 2);
+    let done = wait(&mut tier, 2, WAIT);
     assert_eq!(done.failed, vec![key(0), key(1), key(2)]);
     assert!(
         mem.matches(SlotId(11), 6000, 203),
@@ -229,7 +198,7 @@ fn a_stalled_store_fails_keys_at_the_deadline() {
     .expect("submit");
     tier.submit(job(2, TierOp::Load, vec![(key(2), SlotId(2), 100)]))
         .expect("submit");
-    let done = wait_all(&mut tier, &[1, 2]);
+    let done = wait_all(&mut tier, &[1, 2], WAIT);
     assert_eq!(done[0].failed, vec![key(0), key(1)]);
     assert_eq!(done[1].failed, vec![key(2)]);
     assert!(
@@ -267,7 +236,7 @@ fn busy_when_full_and_cancel_interrupts_requests_under_way() {
     let started = Instant::now();
     tier.cancel(JobId(1));
     tier.cancel(JobId(2));
-    let done = wait_all(&mut tier, &[1, 2]);
+    let done = wait_all(&mut tier, &[1, 2], WAIT);
     assert_eq!(done[0].failed, vec![key(0)]);
     assert_eq!(done[1].failed, vec![key(1)]);
     assert!(
@@ -278,7 +247,7 @@ fn busy_when_full_and_cancel_interrupts_requests_under_way() {
     tier.submit(third)
         .expect("room again after the completions were polled");
     tier.cancel(JobId(3));
-    assert_eq!(wait(&mut tier, 3).failed, vec![key(2)]);
+    assert_eq!(wait(&mut tier, 3, WAIT).failed, vec![key(2)]);
     // Dropping a tier with a job under way cancels and drains it.
     tier.submit(job(4, TierOp::Store, vec![(key(3), SlotId(3), 100)]))
         .expect("fourth");

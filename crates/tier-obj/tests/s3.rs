@@ -17,11 +17,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, TierOp};
-use offload_core::{ChunkKey, JobId, SlotId};
+use offload_core::tier::{SlotMemory, Tier, TierLookup, TierOp};
+use offload_core::{ChunkKey, SlotId};
 use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tier_obj::{Backend, ObjTierConfig, S3Config};
 use tier_testkit::VecSlotMemory;
+
+use common::{job, wait};
 
 const BUCKET: &str = "kvtier-test";
 /// How long the server may take to accept connections.
@@ -128,33 +130,6 @@ fn backend(addr: SocketAddr) -> Backend {
     })
 }
 
-fn wait(tier: &mut dyn Tier, id: u64) -> TierCompletion {
-    let until = Instant::now() + Duration::from_secs(60);
-    let mut out = Vec::new();
-    loop {
-        tier.poll(&mut out);
-        if let Some(done) = out.pop() {
-            assert_eq!(done.id, JobId(id), "unexpected completion");
-            assert!(out.is_empty());
-            return done;
-        }
-        assert!(
-            Instant::now() < until,
-            "job {id} did not complete within 60 s"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {
-    TierJob {
-        id: JobId(id),
-        request: None,
-        op,
-        chunks,
-    }
-}
-
 /// Store, restart, load and compare; a multipart upload; a damaged object.
 fn round_trip_and_restart(addr: SocketAddr) {
     const SLOT: usize = 11 << 20;
@@ -177,7 +152,7 @@ fn round_trip_and_restart(addr: SocketAddr) {
         let store = backend(addr).open().expect("S3 client");
         let mut tier = common::tier(config.clone(), store, mem.clone());
         tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
-        let done = wait(&mut tier, 1);
+        let done = wait(&mut tier, 1, Duration::from_secs(60));
         assert!(done.is_success(), "S3 store failed keys {:?}", done.failed);
         assert_eq!(tier.stats().multipart_uploads, 2, "two records over 6 MiB");
     }
@@ -198,7 +173,7 @@ fn round_trip_and_restart(addr: SocketAddr) {
         })
         .collect();
     tier.submit(job(2, TierOp::Load, loads)).expect("submit");
-    let done = wait(&mut tier, 2);
+    let done = wait(&mut tier, 2, Duration::from_secs(60));
     assert!(done.is_success(), "S3 load failed keys {:?}", done.failed);
     for (i, &len) in lens.iter().enumerate() {
         assert_eq!(
@@ -227,7 +202,10 @@ fn round_trip_and_restart(addr: SocketAddr) {
     });
     tier.submit(job(3, TierOp::Load, vec![(keys[1], SlotId(5), lens[1])]))
         .expect("submit");
-    assert_eq!(wait(&mut tier, 3).failed, vec![keys[1]]);
+    assert_eq!(
+        wait(&mut tier, 3, Duration::from_secs(60)).failed,
+        vec![keys[1]]
+    );
     assert_eq!(tier.lookup(keys[1]), TierLookup::Miss);
     runtime.block_on(async {
         assert!(store.get(&path).await.is_err(), "damaged object deleted");

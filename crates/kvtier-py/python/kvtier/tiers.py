@@ -69,6 +69,13 @@ class Finished:
     def success(self) -> bool:
         return not self.failed
 
+    def arrived(self) -> list[bytes]:
+        """The keys that transferred (all of them on success)."""
+        if not self.failed:
+            return list(self.keys)
+        failed = set(self.failed)
+        return [k for i, k in enumerate(self.keys) if i not in failed]
+
 
 @dataclass
 class _Job:

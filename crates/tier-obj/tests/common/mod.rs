@@ -4,9 +4,10 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier};
+use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
+use offload_core::{ChunkKey, JobId, SlotId};
 use tier_obj::object_store::ObjectStore;
 use tier_obj::{NamespaceId, ObjTier, ObjTierConfig};
 
@@ -96,5 +97,39 @@ impl Tier for OwnedDirTier {
     }
     fn shutdown(&mut self) {
         self.tier.shutdown()
+    }
+}
+
+/// A job of `op` on `chunks`, for no request.
+pub fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {
+    TierJob {
+        id: JobId(id),
+        request: None,
+        op,
+        chunks,
+    }
+}
+
+/// Polls until `id` completes (`within` at most).
+pub fn wait(tier: &mut dyn Tier, id: u64, within: Duration) -> TierCompletion {
+    wait_all(tier, &[id], within).remove(0)
+}
+
+/// Polls until every job of `ids` completed (`within` at most); their completions in `ids` order.
+pub fn wait_all(tier: &mut dyn Tier, ids: &[u64], within: Duration) -> Vec<TierCompletion> {
+    let until = Instant::now() + within;
+    let mut out = Vec::new();
+    loop {
+        tier.poll(&mut out);
+        if ids.iter().all(|&id| out.iter().any(|c| c.id == JobId(id))) {
+            assert_eq!(out.len(), ids.len(), "unexpected completions: {out:?}");
+            out.sort_by_key(|c| ids.iter().position(|&id| c.id == JobId(id)));
+            return out;
+        }
+        assert!(
+            Instant::now() < until,
+            "jobs {ids:?} did not complete within {within:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
     }
 }

@@ -154,13 +154,9 @@ class _KvtierTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
         for f in self._core.poll():
-            successful = None
-            if f.failed and f.is_load:
-                failed = set(f.failed)
-                successful = [k for i, k in enumerate(f.keys) if i not in failed]
+            successful = f.arrived() if f.failed and f.is_load else None
             if not f.is_load and self._events_on:
-                failed = set(f.failed)
-                stored = [k for i, k in enumerate(f.keys) if i not in failed]
+                stored = f.arrived()
                 for k in stored:
                     self._stored[offload_key_to_chunk_key(k)] = k
                 if stored:
