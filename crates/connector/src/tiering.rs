@@ -527,8 +527,8 @@ impl TieringManager {
         self.poll_tiers();
         self.retry_cascades();
         self.expire_queued_cascades();
-        self.cancel_overdue_promotions();
-        self.cancel_overdue_cascades();
+        self.expire_queued_promotions();
+        self.cancel_overdue_jobs();
         self.expire_promotion_pins();
         for state in self.requests.values_mut() {
             state.scan_hits.clear();
@@ -982,22 +982,26 @@ impl TieringManager {
         }
     }
 
-    /// Cancels cascades submitted longer ago than the cascade deadline and not reported. Their
-    /// pins stay: the tier may read the slots until it reports the job (buffer ownership), which
-    /// a cancelled job still does exactly once.
-    fn cancel_overdue_cascades(&mut self) {
+    /// Cancels each tier job submitted longer ago than its deadline (a promotion: the promotion
+    /// deadline; a cascade: the cascade deadline) and not reported yet, once, and counts it. Its
+    /// pins stay: the tier may touch the slots until it reports the job (buffer ownership),
+    /// which a cancelled job still does exactly once.
+    fn cancel_overdue_jobs(&mut self) {
         let now = self.now();
-        let deadline = self.options.cascade_deadline_ns;
         for (&id, job) in self.in_flight.iter_mut() {
-            if job.op != TierOp::Store
-                || job.cancelled
-                || now.saturating_sub(job.submitted_ns) <= deadline
-            {
+            let deadline = match job.op {
+                TierOp::Load => self.options.promotion_deadline_ns,
+                TierOp::Store => self.options.cascade_deadline_ns,
+            };
+            if job.cancelled || now.saturating_sub(job.submitted_ns) <= deadline {
                 continue;
             }
             job.cancelled = true;
             let entry = &mut self.tiers[job.tier];
-            entry.counters.cascades_timed_out += 1;
+            match job.op {
+                TierOp::Load => entry.counters.promotions_timed_out += 1,
+                TierOp::Store => entry.counters.cascades_timed_out += 1,
+            }
             entry.tier.cancel(id);
         }
     }
@@ -1039,7 +1043,9 @@ impl TieringManager {
         self.poll_tiers();
     }
 
-    fn cancel_overdue_promotions(&mut self) {
+    /// Drops promotions queued behind a busy tier for longer than the promotion deadline (never
+    /// submitted), counting them.
+    fn expire_queued_promotions(&mut self) {
         let now = self.now();
         let deadline = self.options.promotion_deadline_ns;
         // Queued behind a busy tier for too long: never submitted.
@@ -1055,24 +1061,6 @@ impl TieringManager {
                 self.tiers[tier].counters.promotions_timed_out += 1;
                 self.tiers[tier].counters.jobs_dropped += 1;
                 self.cancel_promotion(request, tier, &chunks);
-            }
-        }
-        let overdue: Vec<JobId> = self
-            .in_flight
-            .iter()
-            .filter(|(_, j)| {
-                j.op == TierOp::Load
-                    && !j.cancelled
-                    && now.saturating_sub(j.submitted_ns) > deadline
-            })
-            .map(|(&id, _)| id)
-            .collect();
-        for id in overdue {
-            if let Some(job) = self.in_flight.get_mut(&id) {
-                job.cancelled = true;
-                let tier = job.tier;
-                self.tiers[tier].counters.promotions_timed_out += 1;
-                self.tiers[tier].tier.cancel(id);
             }
         }
     }
