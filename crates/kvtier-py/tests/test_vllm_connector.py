@@ -339,3 +339,37 @@ def test_readme_example_config_resolves_as_printed():
                 "block_bytes": 1 << 17, "parallel_layout": "tp1-pp1", "hash_seed": 0}
     r = resolve_connector_config(json.dumps(ktc.kv_connector_extra_config), geometry)
     assert r["blocks_per_chunk"] == 4 and r["slot_count"] == 10737418240 // (4 << 17), r
+
+
+class _Spy:
+    """Forwards every call to `inner` and logs `(tag, method)` first."""
+
+    def __init__(self, inner, log, tag):
+        self._inner, self._log, self._tag = inner, log, tag
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **kw):
+            self._log.append((self._tag, name))
+            return attr(*a, **kw)
+
+        return call
+
+
+def test_reset_waits_for_the_workers_copies_before_freeing_slots(engines):
+    """reset_cache frees every host slot, which a promotion may take at once: the worker's
+    copies (in this process) must be finished first, or one could tear a reused slot."""
+    from connector_driver import prompt
+
+    e = engines(config())
+    e.add("a", prompt("drain", 64), max_tokens=1)
+    e.run()
+    log = []
+    e.worker._worker.native = _Spy(e.worker._worker.native, log, "worker")
+    e.sched._sched.native = _Spy(e.sched._sched.native, log, "scheduler")
+    e.sched.reset_cache()
+    assert ("worker", "drain") in log and ("scheduler", "reset_cache") in log, log
+    assert log.index(("worker", "drain")) < log.index(("scheduler", "reset_cache")), log

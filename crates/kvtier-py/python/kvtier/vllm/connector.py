@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -279,6 +280,8 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
 # -- the host pool both sides share ------------------------------------------------------------------
 
 _POOLS: dict[str, HostPool] = {}
+# The worker sides of each engine (one in this layout), so that a reset can wait for their copies.
+_WORKERS: dict[str, weakref.WeakSet] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -414,6 +417,8 @@ class KvtierConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = _WorkerSide(self._pool, self._resolved, kv_cache_config)
+            with _POOLS_LOCK:
+                _WORKERS.setdefault(self._engine_id, weakref.WeakSet()).add(self._worker)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -457,6 +462,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         assert self._sched is not None
+        # The reset frees every host slot at once, and the tiering manager may promote into one
+        # at the next lookup; a worker copy still reading or writing that slot would tear it. The
+        # workers are in this process: wait for their copies first (their completions are still
+        # reported, and loads older than the reset are reported failed).
+        with _POOLS_LOCK:
+            workers = list(_WORKERS.get(self._engine_id, ()))
+        for w in workers:
+            w.drain()
         self._sched.reset_cache()
         return True
 
@@ -531,6 +544,8 @@ class KvtierConnector(KVConnectorBase_V1):
         with _POOLS_LOCK:
             if _POOLS.get(self._engine_id) is self._pool:
                 del _POOLS[self._engine_id]
+            if self._worker is not None and self._engine_id in _WORKERS:
+                _WORKERS[self._engine_id].discard(self._worker)
 
 
 class _SchedulerSide:
@@ -790,6 +805,10 @@ class _WorkerSide:
         out, self._stats = self._stats, OffloadingConnectorStats()
         return out
 
-    def shutdown(self) -> None:
+    def drain(self) -> None:
+        """Waits until every copy given to this worker is done (reported at the next reap)."""
         if self.native is not None:
             self.native.drain()
+
+    def shutdown(self) -> None:
+        self.drain()
