@@ -12,6 +12,7 @@
 //! (vLLM's UniProcExecutor). The Python half refuses any other layout.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -62,6 +63,24 @@ impl PyHostPool {
         })
     }
 
+    /// The pool in the file at `path` (a file in `/dev/shm` is host memory), created at the
+    /// pool's exact size if missing: every process that opens the same path shares the pool
+    /// (the scheduler side and its worker processes). The caller removes the file after use.
+    #[staticmethod]
+    fn open_shared(
+        py: Python<'_>,
+        path: PathBuf,
+        slot_bytes: usize,
+        slot_count: u32,
+    ) -> PyResult<Self> {
+        let memory = py
+            .detach(|| HostPoolMemory::open_shared(&path, slot_bytes, slot_count))
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot open a shared host pool: {e}")))?;
+        Ok(Self {
+            memory: Arc::new(memory),
+        })
+    }
+
     /// Bytes per slot.
     #[getter]
     fn slot_bytes(&self) -> usize {
@@ -90,8 +109,8 @@ fn geometry_item<'py, T: pyo3::conversion::FromPyObjectOwned<'py>>(
 }
 
 /// The connector configuration (JSON text, the connector crate's keys) checked against the
-/// engine's geometry (`model`, `dtype`, `tokens_per_block`, `block_bytes`, `parallel_layout`,
-/// `hash_seed`; one worker).
+/// engine's geometry (`model`, `dtype`, `tokens_per_block`, `block_bytes` (every worker's shard
+/// together), `parallel_layout`, `hash_seed`, and optionally `worker_count`, default 1).
 fn resolve(config_json: &str, geometry: &Bound<'_, PyDict>) -> PyResult<ResolvedConfig> {
     let config = ConnectorConfig::from_json_str(config_json)
         .map_err(|e| PyValueError::new_err(format!("kvtier connector config: {e}")))?;
@@ -100,7 +119,10 @@ fn resolve(config_json: &str, geometry: &Bound<'_, PyDict>) -> PyResult<Resolved
         dtype: geometry_item(geometry, "dtype")?,
         tokens_per_block: geometry_item(geometry, "tokens_per_block")?,
         block_bytes: geometry_item(geometry, "block_bytes")?,
-        worker_count: 1,
+        worker_count: match geometry.get_item("worker_count")? {
+            Some(_) => geometry_item(geometry, "worker_count")?,
+            None => 1,
+        },
         parallel_layout: geometry_item(geometry, "parallel_layout")?,
         hash_seed: geometry_item(geometry, "hash_seed")?,
     };
@@ -423,15 +445,19 @@ pub struct PyConnectorWorker {
 impl PyConnectorWorker {
     /// A worker over `pool` and the engine's KV cache `regions`: `(base address, num_blocks,
     /// block_bytes, block_stride, group)` each, in the order a slot holds them. `owners` are the
-    /// objects whose memory the regions are (kept alive while the worker lives).
+    /// objects whose memory the regions are (kept alive while the worker lives). With
+    /// `share_offset`, this worker (tensor-parallel rank `rank`) fills only its share of each
+    /// slot, from that offset on; without, its regions fill whole slots.
     #[new]
-    #[pyo3(signature = (pool, regions, blocks_per_chunk, owners, rank=0, copy_threads=2, jobs_in_flight_max=64))]
+    #[pyo3(signature = (pool, regions, blocks_per_chunk, owners, rank=0, share_offset=None, copy_threads=2, jobs_in_flight_max=64))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &PyHostPool,
         regions: Vec<(u64, u32, u64, u64, u32)>,
         blocks_per_chunk: u32,
         owners: Vec<Py<PyAny>>,
         rank: u32,
+        share_offset: Option<u64>,
         copy_threads: usize,
         jobs_in_flight_max: usize,
     ) -> PyResult<Self> {
@@ -451,8 +477,18 @@ impl PyConnectorWorker {
             )
             .collect();
         let block_bytes = regions.iter().map(|r| r.block_bytes).sum();
-        let layout = KvLayout::new(regions, blocks_per_chunk, pool.memory.slot_count())
-            .map_err(|e| PyValueError::new_err(format!("KV cache layout: {e}")))?;
+        let slot_count = pool.memory.slot_count();
+        let layout = match share_offset {
+            None => KvLayout::new(regions, blocks_per_chunk, slot_count),
+            Some(offset) => KvLayout::share(
+                regions,
+                blocks_per_chunk,
+                slot_count,
+                offset,
+                pool.memory.slot_bytes() as u64,
+            ),
+        }
+        .map_err(|e| PyValueError::new_err(format!("KV cache layout of rank {rank}: {e}")))?;
         if layout.slot_bytes() != pool.memory.slot_bytes() as u64 {
             return Err(PyValueError::new_err(format!(
                 "the registered KV caches hold {} bytes per chunk, the host pool's slots {}",

@@ -58,7 +58,7 @@ def kv_cache_config(num_blocks: int):
                          kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
 
 
-def vllm_config(extra: dict, engine_id: str | None = None, backend="uni", world_size=1):
+def vllm_config(extra: dict, engine_id: str | None = None, backend="uni", world_size=1, rank=0):
     KVTransferConfig = _vllm()[0]
     ktc = KVTransferConfig(
         kv_connector="KvtierConnector",
@@ -73,7 +73,7 @@ def vllm_config(extra: dict, engine_id: str | None = None, backend="uni", world_
         cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=SimpleNamespace(
             world_size=world_size, distributed_executor_backend=backend,
-            tensor_parallel_size=world_size, pipeline_parallel_size=1),
+            tensor_parallel_size=world_size, pipeline_parallel_size=1, nnodes=1, rank=rank),
         kv_events_config=SimpleNamespace(enable_kv_cache_events=True),
     )
 
@@ -95,8 +95,9 @@ def token_rows(tokens: list[int]) -> list[bytes]:
     return out
 
 
-def row_bytes(digest: bytes, layer: int, kv: int) -> bytes:
-    d = hashlib.sha256(digest + bytes([layer, kv])).digest()
+def row_bytes(digest: bytes, layer: int, kv: int, rank: int = 0) -> bytes:
+    """One token's K or V of one layer in one tensor-parallel rank's shard."""
+    d = hashlib.sha256(digest + bytes([layer, kv, rank])).digest()
     return (d * (ROW_BYTES // len(d) + 1))[:ROW_BYTES]
 
 
@@ -122,8 +123,119 @@ class Req:
     first_step: bool = True
 
 
+class WorkerHost:
+    """One worker (vLLM's model runner with its KV cache tensors and worker-side connector):
+    rank `rank` of `world`, writing its own shard of every token's KV."""
+
+    def __init__(self, cfg, num_blocks: int, rank: int = 0):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvtier.vllm.connector import KvtierConnector
+
+        kcc = kv_cache_config(num_blocks)
+        self.rank = rank
+        self.layer_names = list(kcc.kv_cache_groups[0].layer_names)
+        self.connector = KvtierConnector(cfg, KVConnectorRole.WORKER, kcc)
+        self.kv = {n: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD), dtype=DTYPE)
+                   for n in self.layer_names}
+        self.bytes_view = {n: t.view(torch.uint8) for n, t in self.kv.items()}
+        self.connector.register_kv_caches(self.kv)
+
+    def run_step(self, meta, work, finished_ids):
+        """vLLM's model-runner sequence for one step; `work` is `(req_id, tokens, blocks, start,
+        n)` per scheduled request, its loaded prefix checked first when `start > 0` on the
+        request's first step."""
+        w = self.connector
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        for rid, tokens, blocks, start, n, check in work:
+            if check:
+                self.check_prefix(rid, tokens[:start], blocks)
+            rows = token_rows(tokens[: start + n])
+            for pos in range(start, start + n):
+                self._write(blocks[pos // BLOCK], pos % BLOCK, rows[pos])
+        w.wait_for_save()
+        results = w.get_transfer_results(finished_ids)
+        stats = w.get_kv_connector_stats()
+        wmeta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        return (set(results.finished_sending), set(results.finished_recving),
+                set(results.failed_recving), wmeta, stats)
+
+    def _write(self, block: int, slot: int, digest: bytes) -> None:
+        for layer, name in enumerate(self.layer_names):
+            view = self.bytes_view[name]
+            for kv in (0, 1):
+                view[kv, block, slot].view(-1)[:] = torch.frombuffer(
+                    bytearray(row_bytes(digest, layer, kv, self.rank)), dtype=torch.uint8)
+
+    def check_prefix(self, rid: str, tokens: list[int], blocks: list[int]) -> None:
+        """The KV of `tokens` in `blocks` is exactly what recompute would write."""
+        rows = token_rows(tokens)
+        for pos in range(len(tokens)):
+            block, slot = blocks[pos // BLOCK], pos % BLOCK
+            for layer, name in enumerate(self.layer_names):
+                for kv in (0, 1):
+                    got = bytes(self.bytes_view[name][kv, block, slot].reshape(-1).tolist())
+                    if got != row_bytes(rows[pos], layer, kv, self.rank):
+                        raise AssertionError(
+                            f"request {rid}: loaded KV at token {pos} (block {block}, layer "
+                            f"{layer}, {'KV'[kv]}, rank {self.rank}) differs from recompute")
+
+    def close(self) -> None:
+        self.connector.shutdown()
+
+
+def _worker_process(pipe, extra, engine_id, num_blocks, rank, world):
+    """A worker process: a WorkerHost serving run_step calls from the pipe."""
+    cfg = vllm_config(extra, engine_id, backend="mp", world_size=world, rank=rank)
+    host = WorkerHost(cfg, num_blocks, rank)
+    pipe.send("ready")
+    while True:
+        msg = pipe.recv()
+        if msg[0] == "close":
+            host.close()
+            pipe.send("closed")
+            return
+        try:
+            pipe.send(("ok", host.run_step(*msg[1:])))
+        except Exception as e:  # noqa: BLE001 - reported to the test process
+            pipe.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class RemoteWorker:
+    """A WorkerHost in its own process (vLLM's multi-process executor)."""
+
+    def __init__(self, extra, engine_id, num_blocks, rank, world):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_process,
+                                args=(child, extra, engine_id, num_blocks, rank, world))
+        self.proc.start()
+        if not self.pipe.poll(300):
+            raise AssertionError(f"worker {rank} did not start")
+        assert self.pipe.recv() == "ready"
+
+    def run_step(self, meta, work, finished_ids):
+        self.pipe.send(("step", meta, work, finished_ids))
+        status, value = self.pipe.recv()
+        if status != "ok":
+            raise AssertionError(f"worker process: {value}")
+        return value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.pipe.send(("close",))
+            self.pipe.poll(60) and self.pipe.recv()
+            self.proc.join(60)
+
+
 class Engine:
-    def __init__(self, extra: dict, num_blocks: int = 1024, engine_id: str | None = None):
+    def __init__(self, extra: dict, num_blocks: int = 1024, engine_id: str | None = None,
+                 processes: int = 0):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -133,16 +245,21 @@ class Engine:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.num_blocks = num_blocks
-        self.cfg = vllm_config(extra, engine_id)
-        kcc = kv_cache_config(num_blocks)
-        self.layer_names = list(kcc.kv_cache_groups[0].layer_names)
+        engine_id = engine_id or f"kvtier-test-{uuid.uuid4().hex[:8]}"
         # vLLM makes the worker side first (with the KV caches), then the scheduler side.
-        self.worker = KvtierConnector(self.cfg, KVConnectorRole.WORKER, kcc)
-        self.kv = {n: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD), dtype=DTYPE)
-                   for n in self.layer_names}
-        self.bytes_view = {n: t.view(torch.uint8) for n, t in self.kv.items()}
-        self.worker.register_kv_caches(self.kv)
-        self.sched = KvtierConnector(self.cfg, KVConnectorRole.SCHEDULER, kcc)
+        if processes:
+            self.cfg = vllm_config(extra, engine_id, backend="mp", world_size=processes)
+            self.hosts = [RemoteWorker(extra, engine_id, num_blocks, r, processes)
+                          for r in range(processes)]
+            self.worker = None
+        else:
+            self.cfg = vllm_config(extra, engine_id)
+            self.hosts = [WorkerHost(self.cfg, num_blocks)]
+            self.worker = self.hosts[0].connector
+        self.sched = KvtierConnector(self.cfg, KVConnectorRole.SCHEDULER,
+                                     kv_cache_config(num_blocks))
+        self._sending_count: dict[str, int] = {}
+        self._recving_count: dict[str, int] = {}
         self.free = list(range(num_blocks))
         self.reqs: dict[str, Req] = {}
         self.waiting: list[str] = []
@@ -243,19 +360,37 @@ class Engine:
         meta = self.sched.build_connector_meta(so)
         so.kv_connector_metadata = meta
 
-        # -- the worker (vLLM's model runner) --
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        self._forward(num_sched)
-        w.wait_for_save()
-        results = w.get_transfer_results(so.finished_req_ids)
-        stats = w.get_kv_connector_stats()
-        if stats is not None:
-            self.worker_stats.append(stats)
-        wmeta = w.build_connector_worker_meta()
-        w.clear_connector_metadata()
+        # -- the workers (vLLM's model runners), then vLLM's output aggregation: a request is
+        # done sending or receiving once every worker said so; a failure of any is a failure --
+        work = []
+        for rid, n in num_sched.items():
+            rec = self.reqs[rid]
+            start = rec.req.num_computed_tokens
+            work.append((rid, list(rec.req.all_token_ids)[: start + n], list(rec.blocks), start,
+                         n, rec.first_step and start > 0))
+            rec.first_step = False
+        sending, recving, failed, wmeta = set(), set(), set(), None
+        for host in self.hosts:
+            s_, r_, f_, wm, stats = host.run_step(meta, work, so.finished_req_ids)
+            if stats is not None:
+                self.worker_stats.append(stats)
+            if wm is not None:
+                wmeta = wm if wmeta is None else wmeta.aggregate(wm)
+            failed |= f_
+            for rid in s_:
+                self._sending_count[rid] = self._sending_count.get(rid, 0) + 1
+            for rid in r_:
+                self._recving_count[rid] = self._recving_count.get(rid, 0) + 1
+        world = len(self.hosts)
+        for counts, done in ((self._sending_count, sending), (self._recving_count, recving)):
+            for rid in [r for r, c in counts.items() if c == world]:
+                done.add(rid)
+                del counts[rid]
+        results = SimpleNamespace(finished_sending=sending, finished_recving=recving,
+                                  failed_recving=failed & recving)
+        self._failed_pending = getattr(self, "_failed_pending", set()) | (failed - recving)
+        results.failed_recving |= self._failed_pending & recving
+        self._failed_pending -= recving
 
         # -- the scheduler takes the output --
         finished = []
@@ -297,40 +432,6 @@ class Engine:
             self.sched_stats.append(sstats)
         self.events.extend(self.sched.take_events())
 
-    def _forward(self, num_sched: dict[str, int]) -> None:
-        """Writes the KV of every scheduled token (and checks the loaded prefix first)."""
-        for rid, n in num_sched.items():
-            rec = self.reqs[rid]
-            r = rec.req
-            start = r.num_computed_tokens
-            if rec.first_step and start > 0:
-                self.check_prefix(rid, start)
-            rec.first_step = False
-            rows = token_rows(list(r.all_token_ids)[: start + n])
-            for pos in range(start, start + n):
-                self._write(rec.blocks[pos // BLOCK], pos % BLOCK, rows[pos])
-
-    def _write(self, block: int, slot: int, digest: bytes) -> None:
-        for layer, name in enumerate(self.layer_names):
-            view = self.bytes_view[name]
-            for kv in (0, 1):
-                view[kv, block, slot].view(-1)[:] = torch.frombuffer(
-                    bytearray(row_bytes(digest, layer, kv)), dtype=torch.uint8)
-
-    def check_prefix(self, rid: str, tokens: int) -> None:
-        """The first `tokens` KV positions of `rid` hold exactly what recompute would write."""
-        rec = self.reqs[rid]
-        rows = token_rows(list(rec.req.all_token_ids)[:tokens])
-        for pos in range(tokens):
-            block, slot = rec.blocks[pos // BLOCK], pos % BLOCK
-            for layer, name in enumerate(self.layer_names):
-                for kv in (0, 1):
-                    got = bytes(self.bytes_view[name][kv, block, slot].reshape(-1).tolist())
-                    if got != row_bytes(rows[pos], layer, kv):
-                        raise AssertionError(
-                            f"request {rid}: loaded KV at token {pos} (block {block}, layer "
-                            f"{layer}, {'KV'[kv]}) differs from recompute")
-
     def run(self, steps: int = 500) -> None:
         """Steps until every request was released."""
         for _ in range(steps):
@@ -353,5 +454,6 @@ class Engine:
         return json.loads(self.sched.native_scheduler.metrics_json())
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for host in self.hosts:
+            host.close()
         self.sched.shutdown()

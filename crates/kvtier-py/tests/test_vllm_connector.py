@@ -195,15 +195,43 @@ def test_peer_pair(engines):
     assert p2p_b["chunks_loaded"] == 5, p2p_b
 
 
-def test_multiprocess_layout_is_refused():
+def test_layouts_beyond_one_node_are_refused():
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from connector_driver import kv_cache_config, vllm_config
     from kvtier.vllm.connector import KvtierConnector
 
-    cfg = vllm_config(config(), backend="mp", world_size=2)
-    with pytest.raises(ValueError, match="distributed_executor_backend='mp'"):
+    cfg = vllm_config(config(), backend="ray", world_size=2)
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray'"):
         KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+    cfg = vllm_config(config(), backend="mp", world_size=2)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(64))
+
+
+def test_two_worker_processes_share_the_host_pool_file(engines):
+    """vLLM's multi-process executor with two tensor-parallel ranks, each worker in its own
+    process writing its own shard of every block: both map the host pool file the scheduler
+    side maps, each fills its share of every slot, and each checks its loaded shard against
+    recompute. Reset is refused (the workers' copies cannot be waited for)."""
+    import os
+
+    from connector_driver import prompt
+    from kvtier.vllm.connector import pool_path
+
+    e = engines(config(), processes=2)
+    path = pool_path(str(e.cfg.kv_transfer_config.engine_id))
+    assert os.path.exists(path)
+    assert e.sched.native_scheduler.slot_bytes == 2 * 4096
+    e.add("a", prompt("tp", 64), max_tokens=1)
+    e.run()
+    rec = e.add("b", prompt("tp", 64) + prompt("b", 8), max_tokens=1)
+    e.run()
+    assert rec.loaded_tokens == 64 and not rec.load_failed, rec
+    assert e.sched.reset_cache() is False
+    e.close()
+    assert not os.path.exists(path), "the scheduler side removes the pool file at shutdown"
 
 
 def test_unknown_setting_is_refused_by_name():

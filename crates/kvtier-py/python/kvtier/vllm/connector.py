@@ -26,9 +26,13 @@ its blocks are then released through the worker's `finished_sending`. Loads are 
 (`WAITING_FOR_REMOTE_KVS`); a load that fails is reported in `failed_recving`, and vLLM
 recomputes. A reused engine block whose store is still in flight is flushed before the compute.
 
-Layout: the host pool is memory of this process, so the scheduler side and the worker side must
-share one process: vLLM's single-process executor (`distributed_executor_backend="uni"`,
-one GPU or CPU worker). Other layouts are refused at start with an error naming the setting.
+Layouts: with vLLM's single-process executor (`distributed_executor_backend="uni"`, one worker)
+the host pool is memory of the process. With its multi-process executor (`"mp"`) on one node,
+tensor parallel only, the host pool is a file in `/dev/shm` (`$KVTIER_SHM_DIR`) named by the
+engine id, mapped by the scheduler process and every worker process; each slot holds every
+rank's shard of the chunk, rank after rank, and every job completes at its last rank's
+acknowledgement. `reset_cache` is refused there (the workers' copies cannot be waited for). Other
+layouts (pipeline parallel, several nodes, Ray) are refused at start, naming the setting.
 KV caches on CUDA are refused too: this binding drives the host-memory copy engine only.
 
 Metrics: kvtier's counters (`kvtier:*`, per tier) and vLLM's offload metric names
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterable
@@ -285,12 +290,23 @@ _WORKERS: dict[str, weakref.WeakSet] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _shared_pool(engine_id: str, slot_bytes: int, slot_count: int) -> HostPool:
-    """The host pool of engine `engine_id`, made by whichever side comes first."""
+def pool_path(engine_id: str) -> str:
+    """The file that holds engine `engine_id`'s host pool when its workers are other processes:
+    in `$KVTIER_SHM_DIR` (default `/dev/shm`, which is host memory)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
+    return os.path.join(os.environ.get("KVTIER_SHM_DIR", "/dev/shm"), f"kvtier-{safe}.pool")
+
+
+def _shared_pool(engine_id: str, slot_bytes: int, slot_count: int, in_file: bool) -> HostPool:
+    """The host pool of engine `engine_id`, made by whichever side comes first (in this
+    process, or, `in_file`, in the file every process of the engine opens)."""
     with _POOLS_LOCK:
         pool = _POOLS.get(engine_id)
         if pool is None:
-            pool = HostPool(slot_bytes, slot_count)
+            if in_file:
+                pool = HostPool.open_shared(pool_path(engine_id), slot_bytes, slot_count)
+            else:
+                pool = HostPool(slot_bytes, slot_count)
             _POOLS[engine_id] = pool
         elif (pool.slot_bytes, pool.slot_count) != (slot_bytes, slot_count):
             raise ValueError(
@@ -301,23 +317,53 @@ def _shared_pool(engine_id: str, slot_bytes: int, slot_count: int) -> HostPool:
         return pool
 
 
-def _check_layout(vllm_config: Any) -> None:
-    """Refuses every layout but one process holding the scheduler and the only worker."""
+@dataclass(frozen=True)
+class _Layout:
+    workers: int  # tensor-parallel ranks, each acknowledging every job
+    in_file: bool  # the workers are other processes: the host pool is a shared file
+
+
+def _check_layout(vllm_config: Any) -> _Layout:
+    """The layouts kvtier runs in: vLLM's single-process executor (`uni`, one worker; the host
+    pool is memory of the process), or its multi-process executor (`mp`) on one node with
+    tensor parallelism only (the host pool is a file in /dev/shm that every process maps).
+    Anything else is refused, naming the setting."""
     par = vllm_config.parallel_config
     backend = getattr(par, "distributed_executor_backend", None)
     name = backend if isinstance(backend, str) or backend is None else getattr(
         backend, "__name__", str(backend))
     world = int(getattr(par, "world_size", 1))
-    if world != 1 or name not in (None, "uni"):
-        raise ValueError(
-            "kvtier connector: its host pool is memory of one process, so it runs only with "
-            "vLLM's single-process executor (distributed_executor_backend='uni', one worker); "
-            f"this engine has distributed_executor_backend={name!r} and world_size={world} "
-            "(tensor/pipeline parallel and multi-process executors are not supported yet)"
+    pp = int(getattr(par, "pipeline_parallel_size", 1))
+    nodes = int(getattr(par, "nnodes", 1))
+    if name in (None, "uni") and world == 1:
+        return _Layout(1, False)
+    if name == "mp" and pp == 1 and nodes == 1:
+        return _Layout(world, True)
+    raise ValueError(
+        "kvtier connector: its host pool is host memory of one node, shared by the scheduler "
+        "and the workers, so it runs with distributed_executor_backend='uni' (one worker) or "
+        "'mp' on one node with tensor parallelism only; this engine has "
+        f"distributed_executor_backend={name!r}, world_size={world}, "
+        f"pipeline_parallel_size={pp}, nnodes={nodes}"
+    )
+
+
+def _tp_rank(vllm_config: Any) -> int:
+    """This worker's tensor-parallel rank (vLLM's parallel state, else the config's rank)."""
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            model_parallel_is_initialized,
         )
 
+        if model_parallel_is_initialized():
+            return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no parallel state: a single process or a test
+        pass
+    return int(getattr(vllm_config.parallel_config, "rank", 0))
 
-def _engine_geometry(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+
+def _engine_geometry(vllm_config: Any, kv_cache_config: Any, workers: int) -> dict[str, Any]:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(
@@ -333,7 +379,8 @@ def _engine_geometry(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         "model": str(model.model),
         "dtype": dtype.removeprefix("torch."),
         "tokens_per_block": int(spec.block_size),
-        "block_bytes": int(spec.page_size_bytes) * len(groups[0].layer_names),
+        "block_bytes": int(spec.page_size_bytes) * len(groups[0].layer_names) * workers,
+        "worker_count": workers,
         "parallel_layout": f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}",
         "hash_seed": 0,
     }
@@ -394,16 +441,17 @@ class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        _check_layout(vllm_config)
+        self._layout = _check_layout(vllm_config)
         if kv_cache_config is None:
             raise ValueError("kvtier connector: vLLM gave no kv_cache_config")
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._config_json = json.dumps(extra)
-        self._geometry = _engine_geometry(vllm_config, kv_cache_config)
+        self._geometry = _engine_geometry(vllm_config, kv_cache_config, self._layout.workers)
         self._resolved = resolve_connector_config(self._config_json, self._geometry)
         self._engine_id = _engine_id(vllm_config)
         self._pool = _shared_pool(
-            self._engine_id, self._resolved["slot_bytes"], self._resolved["slot_count"])
+            self._engine_id, self._resolved["slot_bytes"], self._resolved["slot_count"],
+            self._layout.in_file)
         self._kv_cache_config = kv_cache_config
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
@@ -416,7 +464,9 @@ class KvtierConnector(KVConnectorBase_V1):
                 or bool(extra.get("enable_kv_events", False)),
             )
         else:
-            self._worker = _WorkerSide(self._pool, self._resolved, kv_cache_config)
+            rank = _tp_rank(vllm_config) if self._layout.workers > 1 else 0
+            self._worker = _WorkerSide(self._pool, self._resolved, kv_cache_config, rank,
+                                       self._layout.workers)
             with _POOLS_LOCK:
                 _WORKERS.setdefault(self._engine_id, weakref.WeakSet()).add(self._worker)
 
@@ -462,6 +512,12 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         assert self._sched is not None
+        if self._layout.in_file:
+            # The workers are other processes: their copies cannot be waited for here, and a
+            # slot freed under one of them could be torn by a promotion. Refuse.
+            logger.warning("kvtier connector: reset_cache is not supported with worker "
+                           "processes; nothing was reset")
+            return False
         # The reset frees every host slot at once, and the tiering manager may promote into one
         # at the next lookup; a worker copy still reading or writing that slot would tear it. The
         # workers are in this process: wait for their copies first (their completions are still
@@ -544,6 +600,12 @@ class KvtierConnector(KVConnectorBase_V1):
         with _POOLS_LOCK:
             if _POOLS.get(self._engine_id) is self._pool:
                 del _POOLS[self._engine_id]
+                if self._layout.in_file and self._sched is not None:
+                    # The scheduler side outlives its workers; mappings stay valid after unlink.
+                    try:
+                        os.unlink(pool_path(self._engine_id))
+                    except FileNotFoundError:
+                        pass
             if self._worker is not None and self._engine_id in _WORKERS:
                 _WORKERS[self._engine_id].discard(self._worker)
 
@@ -720,8 +782,11 @@ class _SchedulerSide:
 class _WorkerSide:
     """The worker half: binds each step's metadata and reports vLLM's transfer results."""
 
-    def __init__(self, pool: HostPool, resolved: dict[str, Any], kv_cache_config: Any):
+    def __init__(self, pool: HostPool, resolved: dict[str, Any], kv_cache_config: Any,
+                 rank: int = 0, workers: int = 1):
         self.pool = pool
+        self.rank = rank
+        self.workers = workers
         self.blocks_per_chunk = int(resolved["blocks_per_chunk"])
         self.kv_cache_config = kv_cache_config
         self.native: ConnectorWorker | None = None
@@ -737,7 +802,12 @@ class _WorkerSide:
         group = self.kv_cache_config.kv_cache_groups[0]
         regions = _regions(kv_caches, list(group.layer_names), int(self.kv_cache_config.num_blocks))
         owners = [kv_caches[n] for n in group.layer_names]
-        self.native = ConnectorWorker(self.pool, regions, self.blocks_per_chunk, owners)
+        share = None
+        if self.workers > 1:
+            share_bytes = self.pool.slot_bytes // self.workers
+            share = self.rank * share_bytes
+        self.native = ConnectorWorker(self.pool, regions, self.blocks_per_chunk, owners,
+                                      rank=self.rank, share_offset=share)
 
     def bind(self, meta: KVConnectorMetadata) -> None:
         if meta is self._bound:
