@@ -1,7 +1,7 @@
 //! `kvtier._kvtier`: the native half of the Python package `kvtier`.
 //!
 //! It exposes kvtier's secondary tiers (`tier-fs`, `tier-p2p`) as Python classes that read and
-//! write an engine's host KV buffer in place (vLLM's `primary_kv_view`), and, in [`connector`],
+//! write an engine's host KV buffer in place (vLLM's `primary_kv_view`), and, in `connector.rs`,
 //! the connector crate's scheduler and worker handles over a host pool of its own (for
 //! `kvtier.vllm.connector`). The Python half (`python/kvtier/`) turns vLLM's calls, keys and
 //! configuration into these.
