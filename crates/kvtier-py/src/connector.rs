@@ -20,8 +20,8 @@ use connector::config::{ConnectorConfig, EngineGeometry, ResolvedConfig};
 use connector::{SchedulerHandle, WorkerHandle};
 use offload_core::scheduler::FinishedRequest;
 use offload_core::{
-    BlockId, ConnectorMeta, FinishKind, JobKind, KvEvent, MatchResult, NewRequest, RequestId,
-    SlotMemory, StepInput, StepRequest, WorkerOutput,
+    BlockId, ConnectorMeta, FinishKind, Job, JobAck, JobKind, KvEvent, MatchResult, NewRequest,
+    RequestId, SlotMemory, StepInput, StepRequest, WorkerOutput,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -427,6 +427,19 @@ struct WorkerState {
     meta: Option<ConnectorMeta>,
     before_done: bool,
     jobs: HashMap<u64, JobInfo>,
+    /// Jobs completed here as failed without a copy (stale metadata, or never started):
+    /// reported with the next output, each once.
+    failed_here: Vec<JobAck>,
+}
+
+impl WorkerState {
+    /// Fails `jobs` without copying anything.
+    fn fail(&mut self, jobs: &[Job]) {
+        self.failed_here.extend(jobs.iter().map(|j| JobAck {
+            job: j.id,
+            success: false,
+        }));
+    }
 }
 
 /// kvtier's worker side: executes each step's metadata with memcpy threads between the engine's
@@ -518,6 +531,7 @@ impl PyConnectorWorker {
                 meta: None,
                 before_done: false,
                 jobs: HashMap::new(),
+                failed_here: Vec::new(),
             }),
             block_bytes,
             _owners: owners,
@@ -529,6 +543,13 @@ impl PyConnectorWorker {
         let meta: ConnectorMeta = serde_json::from_slice(meta)
             .map_err(|e| PyValueError::new_err(format!("connector metadata is not valid: {e}")))?;
         let mut st = locked(&self.state);
+        if let Some(old) = st.meta.take() {
+            // The previous step's metadata was never finished: what it did not start fails.
+            if !st.before_done {
+                st.fail(&old.loads);
+            }
+            st.fail(&old.stores);
+        }
         if let Some(floor) = meta.reset_before {
             for (id, job) in st.jobs.iter_mut() {
                 if *id < floor.0 {
@@ -562,34 +583,68 @@ impl PyConnectorWorker {
     }
 
     /// Before the step's compute: finishes jobs older than a reset, waits for the stores to
-    /// flush, starts the loads. Once per bound metadata; blocks without the GIL.
-    fn before_compute(&self, py: Python<'_>) {
+    /// flush, starts the loads. Once per bound metadata; blocks without the GIL. `stale`: the
+    /// metadata was built before a reset that has happened since: its loads and stores fail
+    /// without a copy (their slots may belong to other chunks now); the rest still runs.
+    #[pyo3(signature = (stale=false))]
+    fn before_compute(&self, py: Python<'_>, stale: bool) {
         py.detach(|| {
             let mut st = locked(&self.state);
             let st = &mut *st;
             if st.before_done {
                 return;
             }
-            if let Some(meta) = &st.meta {
-                st.handle.before_compute(meta, None);
-                st.before_done = true;
+            let Some(meta) = st.meta.take() else {
+                return;
+            };
+            if stale {
+                let rest = ConnectorMeta {
+                    loads: Vec::new(),
+                    stores: Vec::new(),
+                    ..meta.clone()
+                };
+                st.handle.before_compute(&rest, None);
+                st.fail(&meta.loads);
+                st.fail(&meta.stores);
+                st.meta = Some(ConnectorMeta {
+                    stores: Vec::new(),
+                    ..meta
+                });
+            } else {
+                st.handle.before_compute(&meta, None);
+                st.meta = Some(meta);
             }
+            st.before_done = true;
         });
     }
 
     /// After the step's compute: starts the stores (runs `before_compute` first if it was not).
-    fn after_compute(&self, py: Python<'_>) {
-        self.before_compute(py);
+    /// `stale` as for `before_compute`: the stores fail without a copy.
+    #[pyo3(signature = (stale=false))]
+    fn after_compute(&self, py: Python<'_>, stale: bool) {
+        self.before_compute(py, stale);
         let mut st = locked(&self.state);
         let st = &mut *st;
         if let Some(meta) = st.meta.take() {
-            st.handle.after_compute(&meta, None);
+            if stale {
+                st.fail(&meta.stores);
+            } else {
+                st.handle.after_compute(&meta, None);
+            }
         }
     }
 
-    /// Drops the bound metadata (its stores are not started if `after_compute` was not called).
+    /// Drops the bound metadata. Jobs of it that were not started (no `before_compute` for its
+    /// loads, no `after_compute` for its stores) fail without a copy, so each still completes
+    /// once.
     fn clear(&self) {
-        locked(&self.state).meta = None;
+        let mut st = locked(&self.state);
+        if let Some(meta) = st.meta.take() {
+            if !st.before_done {
+                st.fail(&meta.loads);
+            }
+            st.fail(&meta.stores);
+        }
     }
 
     /// The jobs completed since the last call: the output for the scheduler side (JSON bytes of
@@ -597,7 +652,9 @@ impl PyConnectorWorker {
     /// older than a reset reads as failed.
     fn take_output<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyBytes>, Vec<DoneTuple>)> {
         let mut st = locked(&self.state);
-        let output = st.handle.take_output();
+        let mut output = st.handle.take_output();
+        let failed_here = std::mem::take(&mut st.failed_here);
+        output.acks.extend(failed_here);
         let now = Instant::now();
         let mut done = Vec::with_capacity(output.acks.len());
         for ack in &output.acks {

@@ -165,9 +165,9 @@ def test_reset_keeps_disk_and_in_flight_loads_are_safe(engines, tmp_path):
     assert b.loaded_tokens == 64 and not b.load_failed
     assert dict(e.metrics()["tiers"])["fs"]["chunks_loaded"] == 4
 
-    # A reset between the step that built a load and the worker running it: the load either
-    # reports success with the bytes it read before any slot was reused, or fails and vLLM
-    # recomputes; either way the KV checks in the driver hold.
+    # A reset between the step that built a load and the worker running it (vLLM's async
+    # scheduling builds a step while the worker runs the previous one): the worker must not copy
+    # from slots the reset freed, so the load fails and vLLM recomputes.
     c = e.add("c", prompt("reset", 64) + prompt("c", 8), max_tokens=1)
     real_build = e.sched.build_connector_meta
 
@@ -181,6 +181,7 @@ def test_reset_keeps_disk_and_in_flight_loads_are_safe(engines, tmp_path):
     e.sched.build_connector_meta = build_then_reset
     e.run()
     assert c.state == "released"
+    assert c.loaded_tokens == 64 and c.load_failed, c
 
 
 def _free_port() -> int:
@@ -416,3 +417,33 @@ def test_reset_waits_for_the_workers_copies_before_freeing_slots(engines):
     e.sched.reset_cache()
     assert ("worker", "drain") in log and ("scheduler", "reset_cache") in log, log
     assert log.index(("worker", "drain")) < log.index(("scheduler", "reset_cache")), log
+
+
+def test_metadata_built_before_a_reset_starts_no_copy(engines):
+    """vLLM's async scheduling builds a step's metadata while the worker still runs the previous
+    one, so a reset can fall between building a load and the worker starting it. The slots that
+    load names were freed by the reset: the worker must start no copy for it (it fails, and vLLM
+    recomputes)."""
+    from connector_driver import prompt
+
+    e = engines(config())
+    e.add("a", prompt("epoch", 64), max_tokens=1)
+    e.run()
+    c = e.add("c", prompt("epoch", 64) + prompt("c", 8), max_tokens=1)
+    native = e.worker._worker.native
+    at_reset = []
+    real_build = e.sched.build_connector_meta
+
+    def build_then_reset(so):
+        meta = real_build(so)
+        if c.state == "loading" and not at_reset:
+            e.sched.reset_cache()
+            at_reset.append(native.counters()["jobs_submitted"])
+        return meta
+
+    e.sched.build_connector_meta = build_then_reset
+    e.step()  # builds c's load, resets, then the worker runs the step
+    assert at_reset, "the load was not built in the first step"
+    assert native.counters()["jobs_submitted"] == at_reset[0], native.counters()
+    e.run()
+    assert c.load_failed and c.state == "released", c

@@ -269,6 +269,9 @@ class KvtierConnectorMetadata(KVConnectorMetadata):
     # Requests told to load whose load job could not be built: the worker reports them as
     # received and failed, and vLLM recomputes.
     failed_loads: tuple[str, ...] = ()
+    # How many resets the scheduler side had made when it built this: a worker that runs it
+    # after a later reset fails its loads and stores instead of copying (single process only).
+    epoch: int = 0
 
 
 @dataclass
@@ -288,6 +291,26 @@ _POOLS: dict[str, HostPool] = {}
 # The worker sides of each engine (one in this layout), so that a reset can wait for their copies.
 _WORKERS: dict[str, weakref.WeakSet] = {}
 _POOLS_LOCK = threading.Lock()
+
+
+class _Epoch:
+    """Resets of one engine, shared by its scheduler side and its worker side in this process.
+    A worker starts copies only under `lock` and only for metadata of the current `value`; a
+    reset takes `lock`, moves `value` on and waits for the copies, so no copy of metadata built
+    before it can start after it (vLLM's async scheduling builds the next step's metadata while
+    the worker runs the previous one)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.lock = threading.Lock()
+
+
+_EPOCHS: dict[str, _Epoch] = {}
+
+
+def _epoch(engine_id: str) -> _Epoch:
+    with _POOLS_LOCK:
+        return _EPOCHS.setdefault(engine_id, _Epoch())
 
 
 def pool_path(engine_id: str) -> str:
@@ -462,11 +485,12 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._resolved,
                 events_on=bool(getattr(events, "enable_kv_cache_events", False))
                 or bool(extra.get("enable_kv_events", False)),
+                epoch=_epoch(self._engine_id),
             )
         else:
             rank = _tp_rank(vllm_config) if self._layout.workers > 1 else 0
             self._worker = _WorkerSide(self._pool, self._resolved, kv_cache_config, rank,
-                                       self._layout.workers)
+                                       self._layout.workers, _epoch(self._engine_id))
             with _POOLS_LOCK:
                 _WORKERS.setdefault(self._engine_id, weakref.WeakSet()).add(self._worker)
 
@@ -524,8 +548,11 @@ class KvtierConnector(KVConnectorBase_V1):
         # reported, and loads older than the reset are reported failed).
         with _POOLS_LOCK:
             workers = list(_WORKERS.get(self._engine_id, ()))
-        for w in workers:
-            w.drain()
+        epoch = _epoch(self._engine_id)
+        with epoch.lock:
+            epoch.value += 1
+            for w in workers:
+                w.drain()
         self._sched.reset_cache()
         return True
 
@@ -608,13 +635,17 @@ class KvtierConnector(KVConnectorBase_V1):
                         pass
             if self._worker is not None and self._engine_id in _WORKERS:
                 _WORKERS[self._engine_id].discard(self._worker)
+            if self._sched is not None:
+                _EPOCHS.pop(self._engine_id, None)
 
 
 class _SchedulerSide:
     """The scheduler half: vLLM's request objects and ids in, native calls out."""
 
-    def __init__(self, native: ConnectorScheduler, resolved: dict[str, Any], events_on: bool):
+    def __init__(self, native: ConnectorScheduler, resolved: dict[str, Any], events_on: bool,
+                 epoch: _Epoch):
         self.native = native
+        self.epoch = epoch
         self.tokens_per_chunk = resolved["tokens_per_block"] * resolved["blocks_per_chunk"]
         self.events_on = events_on
         self._numbers: dict[str, int] = {}
@@ -713,7 +744,7 @@ class _SchedulerSide:
         self._collect_released()
         meta = KvtierConnectorMetadata(
             payload=payload, names=self._new_loads, released=tuple(self._released),
-            failed_loads=tuple(self._failed_loads))
+            failed_loads=tuple(self._failed_loads), epoch=self.epoch.value)
         self._new_loads, self._released, self._failed_loads = {}, [], []
         return meta
 
@@ -783,8 +814,9 @@ class _WorkerSide:
     """The worker half: binds each step's metadata and reports vLLM's transfer results."""
 
     def __init__(self, pool: HostPool, resolved: dict[str, Any], kv_cache_config: Any,
-                 rank: int = 0, workers: int = 1):
+                 rank: int = 0, workers: int = 1, epoch: _Epoch | None = None):
         self.pool = pool
+        self.epoch = epoch or _Epoch()
         self.rank = rank
         self.workers = workers
         self.blocks_per_chunk = int(resolved["blocks_per_chunk"])
@@ -825,14 +857,18 @@ class _WorkerSide:
 
     def clear(self) -> None:
         self._bound = None
+        if self.native is not None:
+            self.native.clear()
 
     def before_compute(self) -> None:
         if self.native is not None and self._bound is not None:
-            self.native.before_compute()
+            with self.epoch.lock:
+                self.native.before_compute(self._bound.epoch < self.epoch.value)
 
     def after_compute(self) -> None:
         if self.native is not None and self._bound is not None:
-            self.native.after_compute()
+            with self.epoch.lock:
+                self.native.after_compute(self._bound.epoch < self.epoch.value)
 
     def _reap(self) -> None:
         if self.native is None:
