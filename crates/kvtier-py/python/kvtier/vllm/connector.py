@@ -885,11 +885,10 @@ class _WorkerSide:
                         self._failed.add(name)
             if not ok:
                 continue
-            prefix = "load" if is_load else "store"
             s = self._stats
             s.increase_counter(LOAD_BYTES if is_load else STORE_BYTES, nbytes)
             s.increase_counter(LOAD_TIME if is_load else STORE_TIME, seconds)
-            s.observe_histogram(LOAD_SIZE if prefix == "load" else STORE_SIZE, nbytes)
+            s.observe_histogram(LOAD_SIZE if is_load else STORE_SIZE, nbytes)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         self._reap()
