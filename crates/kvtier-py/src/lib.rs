@@ -1,8 +1,10 @@
 //! `kvtier._kvtier`: the native half of the Python package `kvtier`.
 //!
 //! It exposes kvtier's secondary tiers (`tier-fs`, `tier-p2p`) as Python classes that read and
-//! write an engine's host KV buffer in place (vLLM's `primary_kv_view`), and nothing else: the
-//! Python half (`python/kvtier/`) turns vLLM's calls, keys and configuration into these.
+//! write an engine's host KV buffer in place (vLLM's `primary_kv_view`), and, in `connector.rs`,
+//! the connector crate's scheduler and worker handles over a host pool of its own (for
+//! `kvtier.vllm.connector`). The Python half (`python/kvtier/`) turns vLLM's calls, keys and
+//! configuration into these.
 //!
 //! Keys cross as vLLM `OffloadKey`s (`block_hash + group.to_bytes(4, "big")`): the chunk key's
 //! hash is the xxh3-64 of the block-hash bytes, its group the last four bytes. A job crosses as
@@ -12,6 +14,8 @@
 //! Logging: the tiers log through `tracing`; without a `tracing` subscriber those events become
 //! `log` records, which [`pyo3_log`] hands to Python's `logging` (logger names `tier_fs...`,
 //! `tier_p2p...`). Identical messages repeated within [`REPEAT_WINDOW`] are dropped and counted.
+
+mod connector;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -691,6 +695,11 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
         log::set_max_level(log::LevelFilter::Debug);
     }
     m.add_class::<PyTier>()?;
+    m.add_class::<connector::PyHostPool>()?;
+    m.add_class::<connector::PyConnectorScheduler>()?;
+    m.add_class::<connector::PyConnectorWorker>()?;
+    m.add_function(wrap_pyfunction!(connector::resolve_connector_config, m)?)?;
+    m.add_function(wrap_pyfunction!(connector::block_hashes_to_u64, m)?)?;
     m.add_function(wrap_pyfunction!(offload_key_to_chunk_key, m)?)?;
     m.add("REPEAT_WINDOW_S", REPEAT_WINDOW.as_secs_f64())?;
     Ok(())

@@ -175,6 +175,51 @@ def test_stats_reach_vllms_stats_payload(engines, tmp_path):
     assert sorted(k for ev in fs_events for k in ev.keys) == sorted(keys), (events, stored_keys)
 
 
+
+def test_tier_metrics_reach_prometheus_through_vllms_tiering_spec(engines, tmp_path):
+    """vLLM's own OffloadPromMetrics, built for a TieringOffloadingSpec naming kvtier's fs tier,
+    registers kvtier's per-tier counters (from the tier's build_metric_definitions) beside
+    vLLM's, in a real prometheus_client registry, and records a real store and load."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
+
+    reg = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *a, **kw):
+                kw.pop("multiprocess_mode", None)
+                super().__init__(*a, registry=reg, **kw)
+
+        return Bound
+
+    entry = fs_entry(tmp_path)
+    keys = prefix_keys("prom", 4)
+    e = engines([entry])
+    c = e.ctx("p")
+    e.store(c, keys)
+    e.settle()
+    c2 = e.ctx("p2")
+    assert e.load_prefix(c2, keys) == 4
+    e.finish(c2)
+    with e.manager.lock:
+        stats = e.manager.get_stats()
+    extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [entry]}
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+    prom = OffloadPromMetrics(
+        cfg, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
+        ["engine"], {0: ["0"]})
+    prom.observe(stats.to_dict(), engine_idx=0)
+    row = e.tiers[0].block_size_bytes
+    got = reg.get_sample_value("kvtier:store_bytes_total", {"engine": "0", "tier": "kvtier-fs"})
+    assert got == 4 * row, got
+    # vLLM's own per-tier write counter, filled from our JobResult.transfer_bytes.
+    names = {m.name for m in reg.collect()}
+    assert "vllm:kv_offload_tiering_write_bytes" in names, sorted(names)
+
+
 # vLLM's Multi-Tier Setup example (docs: features/kv_offloading_usage), with its fs tier entry
 # pointed at kvtier: only "type" and "module_path" change; every other key is vLLM's.
 DOCUMENTED = """{

@@ -61,6 +61,80 @@ impl HostPoolMemory {
         Ok(pool)
     }
 
+    /// The same, over the file at `path` (created with mode 0600 if missing, sized to exactly
+    /// `slot_count * slot_bytes`), mapped shared: processes that open one path share the pool's
+    /// bytes (a file in `/dev/shm` is host memory). A file of another non-zero size is refused,
+    /// naming the path and both sizes.
+    pub fn open_shared(
+        path: &std::path::Path,
+        slot_bytes: usize,
+        slot_count: u32,
+    ) -> io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+
+        let bytes = slot_bytes
+            .checked_mul(slot_count as usize)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("host pool of {slot_count} slots of {slot_bytes} bytes: bad size"),
+                )
+            })?;
+        let with_path = |e: io::Error| {
+            io::Error::new(e.kind(), format!("host pool file {}: {e}", path.display()))
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)
+            .map_err(with_path)?;
+        let len = file.metadata().map_err(with_path)?.len();
+        if len == 0 {
+            file.set_len(bytes as u64).map_err(with_path)?;
+        } else if len != bytes as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "host pool file {} holds {len} bytes, not the {bytes} of {slot_count} slots \
+                     of {slot_bytes} bytes",
+                    path.display()
+                ),
+            ));
+        }
+        // SAFETY: the mapping is of a file this pool's users share on purpose; concurrent access
+        // to slot bytes follows the Tier/TransferEngine ownership contract across processes, as
+        // within one. Nobody truncates the file while it is mapped (only removed after use).
+        let mut map =
+            unsafe { memmap2::MmapOptions::new().len(bytes).map_mut(&file) }.map_err(with_path)?;
+        let base =
+            NonNull::new(map.as_mut_ptr()).ok_or_else(|| io::Error::other("null mapping"))?;
+        let pool = Self {
+            map,
+            base,
+            slot_bytes,
+            slot_count,
+        };
+        pool.prefault_shared();
+        Ok(pool)
+    }
+
+    /// Touches every page of a shared mapping without changing its bytes (another process may
+    /// already have written them).
+    fn prefault_shared(&self) {
+        let len = self.map.len();
+        let base = self.base.as_ptr() as usize;
+        let mut at = 0;
+        while at < len {
+            // SAFETY: `at` is inside the mapping; a volatile read of one byte changes nothing.
+            unsafe { std::ptr::read_volatile((base + at) as *const u8) };
+            at += PAGE_BYTES;
+        }
+    }
+
     /// Touches every page, split among the machine's cores.
     fn prefault(&self) {
         let len = self.map.len();

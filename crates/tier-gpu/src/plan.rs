@@ -90,9 +90,11 @@ pub struct KvLayout {
     regions: Vec<Region>,
     blocks_per_chunk: u32,
     slot_count: u32,
-    /// Offset of region `i`'s part within a slot.
+    /// Offset of region `i`'s part within this layout's share of a slot.
     region_offsets: Vec<u64>,
     slot_bytes: u64,
+    /// Where this layout's share starts within a slot (0 unless built by [`KvLayout::share`]).
+    share_offset: u64,
 }
 
 impl KvLayout {
@@ -151,7 +153,36 @@ impl KvLayout {
             slot_count,
             region_offsets,
             slot_bytes,
+            share_offset: 0,
         })
+    }
+
+    /// One worker's share of slots that several workers fill (tensor-parallel ranks, each with
+    /// its own shard of every engine block): the slot is `slot_bytes` long, and this worker's
+    /// regions take the `share_bytes` from `share_offset` on, laid out as [`KvLayout::new`] lays
+    /// out a whole slot. Fails unless that share fits in the slot.
+    pub fn share(
+        regions: Vec<Region>,
+        blocks_per_chunk: u32,
+        slot_count: u32,
+        share_offset: u64,
+        slot_bytes: u64,
+    ) -> Result<Self, PlanError> {
+        let mut layout = Self::new(regions, blocks_per_chunk, slot_count)?;
+        let end = share_offset.checked_add(layout.slot_bytes);
+        if end.is_none_or(|e| e > slot_bytes) {
+            return Err(PlanError::Layout(format!(
+                "a share of {} bytes at offset {share_offset} does not fit in a slot of \
+                 {slot_bytes} bytes",
+                layout.slot_bytes
+            )));
+        }
+        if slot_bytes.checked_mul(u64::from(slot_count)).is_none() {
+            return Err(PlanError::Layout("host pool size overflows".into()));
+        }
+        layout.share_offset = share_offset;
+        layout.slot_bytes = slot_bytes;
+        Ok(layout)
     }
 
     /// The regions, in registration order.
@@ -159,7 +190,8 @@ impl KvLayout {
         &self.regions
     }
 
-    /// Bytes per host slot (the largest group's chunk).
+    /// Bytes per host slot (the largest group's chunk, or the whole slot of a
+    /// [`KvLayout::share`]).
     pub fn slot_bytes(&self) -> u64 {
         self.slot_bytes
     }
@@ -209,7 +241,7 @@ impl KvLayout {
                 blocks_per_chunk: self.blocks_per_chunk,
             });
         }
-        let slot_base = u64::from(t.slot.0) * self.slot_bytes;
+        let slot_base = u64::from(t.slot.0) * self.slot_bytes + self.share_offset;
         let mut found = false;
         for (i, r) in self.regions.iter().enumerate() {
             if r.group != t.key.group {
@@ -363,6 +395,36 @@ mod tests {
             })
             .collect();
         assert_eq!(out, expect);
+    }
+
+    #[test]
+    fn a_share_of_the_slot_starts_at_its_offset_and_must_fit() {
+        // Two workers, each 2 regions of 100 bytes per block, 2 blocks per chunk: a share is 400
+        // bytes of an 800-byte slot; rank 1's starts at 400.
+        let regions = vec![region(0, 100, 100, 0), region(1 << 20, 100, 100, 0)];
+        let layout = KvLayout::share(regions.clone(), 2, 4, 400, 800).expect("fits");
+        assert_eq!(layout.slot_bytes(), 800);
+        let mut runs = Vec::new();
+        layout
+            .plan(&[transfer(1, 0, 3, 0, &[5, 6])], &mut runs)
+            .expect("plans");
+        assert_eq!(
+            runs,
+            vec![
+                CopyRun {
+                    engine_addr: 500,
+                    host_offset: 3 * 800 + 400,
+                    len: 200
+                },
+                CopyRun {
+                    engine_addr: (1 << 20) + 500,
+                    host_offset: 3 * 800 + 600,
+                    len: 200
+                },
+            ]
+        );
+        let err = KvLayout::share(regions, 2, 4, 401, 800).expect_err("does not fit");
+        assert!(err.to_string().contains("offset 401"), "{err}");
     }
 
     #[test]

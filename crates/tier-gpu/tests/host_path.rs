@@ -284,6 +284,37 @@ fn host_pool_is_exactly_sized_and_prefaulted_zero() {
     );
 }
 
+#[test]
+fn a_shared_host_pool_file_is_one_pool_for_every_mapping_and_keeps_its_size() {
+    let path = std::env::temp_dir().join(format!("kvtier-shared-pool-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let a = HostPoolMemory::open_shared(&path, 3 * 4096 + 1, 4).expect("creates");
+    let b = HostPoolMemory::open_shared(&path, 3 * 4096 + 1, 4).expect("opens");
+    let data = pattern(7, 3 * 4096 + 1);
+    a.write_slot(SlotId(3), 0, &data);
+    let mut got = vec![0u8; data.len()];
+    b.read_slot(SlotId(3), 0, &mut got);
+    assert!(
+        got == data,
+        "a write through one mapping is read through the other"
+    );
+    b.write_slot(SlotId(0), 10, &data[..100]);
+    let mut again = vec![0u8; 100];
+    let c = HostPoolMemory::open_shared(&path, 3 * 4096 + 1, 4).expect("reopens");
+    c.read_slot(SlotId(0), 10, &mut again);
+    assert!(again == data[..100], "opening again keeps the bytes");
+    let err = HostPoolMemory::open_shared(&path, 4096, 4)
+        .err()
+        .expect("another size is refused");
+    assert!(
+        err.to_string().contains(&path.display().to_string())
+            && err.to_string().contains("not the 16384"),
+        "{err}"
+    );
+    drop((a, b, c));
+    std::fs::remove_file(&path).expect("removed");
+}
+
 fn pool_memory(slots: u32, slot_bytes: usize) -> Arc<dyn SlotMemory> {
     Arc::new(HostPoolMemory::new(slot_bytes, slots).expect("pool"))
 }

@@ -4,7 +4,11 @@ For vLLM, name a tier in `secondary_tiers` of the OffloadingConnector's TieringO
 
     {"type": "KvtierFsTier", "module_path": "kvtier.vllm.tiers", "root_dir": "/mnt/nvme/kv"}
 
-`kvtier.config` lists every setting. `kvtier.tiers.TierCore` is the engine-neutral part that
+Or run kvtier's own connector (host pool, tiering, scheduler state machine, copies) in vLLM's
+place: `--kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_connector_module_path":
+"kvtier.vllm.connector", ...}'` (see `kvtier.vllm.connector`).
+
+`kvtier.config` lists every tier setting. `kvtier.tiers.TierCore` is the engine-neutral part that
 the vLLM classes wrap.
 """
 

@@ -1,2 +1,3 @@
 """kvtier inside vLLM. `kvtier.vllm.tiers` holds the secondary tiers for vLLM's
-TieringOffloadingSpec; importing it imports vLLM."""
+TieringOffloadingSpec; `kvtier.vllm.connector` holds `KvtierConnector`, kvtier's whole connector
+as a vLLM KV connector. Importing either imports vLLM."""
