@@ -55,10 +55,12 @@ pub struct FsTierConfig {
     pub durability: Durability,
     /// io_uring, the plain-syscall engine, or the first that works.
     pub engine: EngineChoice,
-    /// Load worker threads, each running whole load jobs with its own I/O engine (so that
-    /// several loads overlap). Stores do not use them: one writer thread (with its own engine)
-    /// runs every store job, appending to one open segment, so the root gets one sequential
-    /// append stream.
+    /// Load worker threads, each with its own I/O engine. Each runs the load jobs it takes as a
+    /// pipeline (every queued job while their record bytes stay under `batch_bytes_max`, each
+    /// finished as soon as its reads completed), so one thread usually keeps the disk busy and
+    /// the others only take jobs when it has its fill. Stores do not use them: one writer thread
+    /// (with its own engine) runs every store job, appending to one open segment, so the root
+    /// gets one sequential append stream.
     pub workers: usize,
     /// Threads of each worker's plain-syscall engine.
     pub threads: usize,

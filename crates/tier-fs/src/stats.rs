@@ -79,6 +79,9 @@ pub struct FsStats {
     pub zero_copy_ops: u64,
     /// Records loaded by a merged read (one read of neighbouring records of a segment).
     pub reads_merged: u64,
+    /// Load jobs a load worker started while another of its load jobs was running, so that
+    /// their reads were in flight together (the load pipeline; see `FsTierConfig::workers`).
+    pub loads_overlapped: u64,
     /// Segment bytes allocated (`fallocate`) ahead of the store writes that fill them.
     pub bytes_preallocated: u64,
     /// Warnings issued (engine detection, fallbacks).
@@ -130,6 +133,7 @@ pub(crate) struct StatsCell {
     pub(crate) buffered_retries: AtomicU64,
     pub(crate) zero_copy_ops: AtomicU64,
     pub(crate) reads_merged: AtomicU64,
+    pub(crate) loads_overlapped: AtomicU64,
     pub(crate) bytes_preallocated: AtomicU64,
     pub(crate) warnings: AtomicU64,
     pub(crate) quarantined: AtomicU64,
@@ -173,6 +177,7 @@ impl StatsCell {
             buffered_retries: get(&self.buffered_retries),
             zero_copy_ops: get(&self.zero_copy_ops),
             reads_merged: get(&self.reads_merged),
+            loads_overlapped: get(&self.loads_overlapped),
             bytes_preallocated: get(&self.bytes_preallocated),
             warnings: get(&self.warnings),
             quarantined: get(&self.quarantined),

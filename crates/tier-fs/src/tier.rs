@@ -1,8 +1,9 @@
 //! [`FsTier`]: the disk tier's `Tier` implementation. The front end (this type) lives on the
 //! caller's thread and never waits for I/O: lookups answer from the in-memory index, submits go
 //! to the workers through bounded channels, polls drain the completion channel. Stores go to one
-//! writer thread (one sequential append stream for the root), loads to `workers` load threads;
-//! each of them owns one I/O engine (see the `worker` module).
+//! writer thread (one sequential append stream for the root), loads to `workers` load threads
+//! (each running the jobs it takes as a pipeline); each of them owns one I/O engine (see the
+//! `worker` module).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::{self, File};

@@ -1,8 +1,10 @@
 //! The background workers, each with its own I/O engine, sending exactly one completion per job:
 //! one writer, which runs every store job of the tier (so the root gets one sequential append
-//! stream), and the load workers, which take load jobs one at a time from the shared load channel.
-//! Loads run concurrently with each other and with stores; completions may therefore arrive out
-//! of submission order. Bookkeeping (index, reservations, faults) is shared under short mutex
+//! stream), and the load workers, which take load jobs from the shared load channel and run them
+//! as a pipeline (every queued job while their record bytes stay under `batch_bytes_max`, each
+//! finished as soon as its reads completed), so that one thread keeps the disk busy and the
+//! others wait on the channel. Loads run concurrently with each other and with stores;
+//! completions may therefore arrive out of submission order. Bookkeeping (index, reservations, faults) is shared under short mutex
 //! sections without I/O.
 //!
 //! Store: the writer runs store jobs as a pipeline. It starts every queued job while the record
@@ -17,7 +19,8 @@
 //! does its chunk enter the index. A failed record is either the segment's tail (the next record
 //! takes its place) or is covered by a skip record so that later records stay reachable. A full
 //! segment is sealed once every job with a record in it finished, and a new one is created. Load:
-//! read each record into an aligned buffer through a cached descriptor of its segment (records that
+//! a load worker starts a job beside the ones it runs (or, too large for the budget, alone after
+//! them, batch by batch); read each record into an aligned buffer through a cached descriptor of its segment (records that
 //! lie one after another in a segment with one read of all of them, at most 16 MiB), verify header
 //! and checksum, and only then copy the payload into the slot; a record that does not verify leaves
 //! the index (and, in a segment this instance may modify, is covered by a skip record). A merged
@@ -149,8 +152,9 @@ pub(crate) struct WorkerSettings {
 }
 
 /// The failed keys of the jobs run together (one load job, or the group of store jobs the
-/// writer takes at once), by job index in the group: each key once per job, in first-failure
-/// order.
+/// writer takes at once), by job index in the group, or of a load worker's running load jobs, by
+/// their number: each key once per job, in first-failure order.
+#[derive(Default)]
 struct Failed {
     jobs: Vec<(Vec<ChunkKey>, HashSet<ChunkKey>)>,
 }
@@ -168,6 +172,19 @@ impl Failed {
         if seen.insert(key) {
             keys.push(key);
         }
+    }
+
+    /// Starts job `job` with no failed key (a load worker reuses the numbers of finished jobs).
+    fn reset(&mut self, job: usize) {
+        if self.jobs.len() <= job {
+            self.jobs.resize_with(job + 1, Default::default);
+        }
+        self.jobs[job] = Default::default();
+    }
+
+    /// Job `job`'s failed keys, leaving none.
+    fn take(&mut self, job: usize) -> Vec<ChunkKey> {
+        std::mem::take(&mut self.jobs[job]).0
     }
 
     /// Each job's failed keys, in job order.
@@ -262,10 +279,20 @@ struct Active {
     bytes: u64,
 }
 
+/// A load job a load worker runs: its reads are in flight (or about to be submitted again).
+struct ActiveLoad {
+    id: JobId,
+    /// Every key of the job (failed as a whole if the worker panics).
+    keys: Vec<ChunkKey>,
+    /// Record bytes, counted in the worker's load bytes in flight.
+    bytes: u64,
+}
+
 /// One record's file operation in flight (or, with `members`, one read of several neighbouring
 /// records).
 struct Pending {
-    /// The index of the record's job in the group run together.
+    /// The index of the record's job in the group run together (a load worker's pipelined
+    /// load: the job's number).
     job: usize,
     key: ChunkKey,
     slot: SlotId,
@@ -351,6 +378,17 @@ pub(crate) struct Worker {
     finishing: Option<(JobId, Vec<ChunkKey>)>,
     /// Read descriptors by segment, with whether they use O_DIRECT.
     readers: HashMap<SegmentId, (Arc<File>, bool)>,
+    /// Load jobs a load worker runs at once, by number (`Pending::job` of their reads); a
+    /// finished job's number is reused.
+    loads: Vec<Option<ActiveLoad>>,
+    /// The failed keys of the running load jobs, by number.
+    load_failed: Failed,
+    /// Record bytes of the running load jobs.
+    load_bytes: u64,
+    /// Reads of the running load jobs in flight, by tag.
+    load_ops: HashMap<u64, Pending>,
+    /// Reap errors in a row while load reads are in flight.
+    load_reap_errors: u32,
     /// Store batches preallocate their range (until the file system says it cannot).
     preallocate: bool,
 }
@@ -391,23 +429,277 @@ impl Worker {
             finished: Vec::new(),
             finishing: None,
             readers: HashMap::new(),
+            loads: Vec::new(),
+            load_failed: Failed::default(),
+            load_bytes: 0,
+            load_ops: HashMap::new(),
+            load_reap_errors: 0,
             preallocate,
         }
     }
 
-    /// Runs load jobs until `Stop` or until the front end is gone (a store job, which the tier
-    /// sends to the writer, would run here alone), then seals what it appended to.
+    /// A load worker's loop: runs load jobs as a pipeline. It starts every queued load job
+    /// while the record bytes of the jobs it runs stay under `batch_bytes_max` (their reads go
+    /// out at once, merged where records lie one after another), reaps reads as they complete
+    /// (verifying each record and copying it into its slot), and finishes each job as soon as
+    /// all of its reads completed. So one worker keeps the disk busy with several jobs' reads,
+    /// and the other load workers wait on the channel instead of each running one job: no more
+    /// threads are busy than the load needs. Waits for a job only when nothing is in flight. A
+    /// job too large to run beside others (over `batch_bytes_max`, or [`BATCH_OPS_MAX`]
+    /// records) runs alone, batch by batch, after the jobs in flight finished; so does a store
+    /// job (which the tier sends to the writer). Returns after `Stop` (or the front end is
+    /// gone) and every job it took finished.
     pub(crate) fn run(mut self, jobs: Receiver<Msg>, done: Sender<TierCompletion>) {
-        while let Ok(Msg::Job(job)) = jobs.recv() {
-            let group = [job];
-            // A panic here is a bug; it must not lose the job's completion nor kill the tier.
-            let completions = catch_unwind(AssertUnwindSafe(|| self.run_group(&group)))
-                .unwrap_or_else(|_| self.panicked(&group));
-            if completions.into_iter().any(|c| done.send(c).is_err()) {
+        let mut open = true;
+        loop {
+            let step = catch_unwind(AssertUnwindSafe(|| {
+                if open {
+                    open = self.take_loads(&jobs);
+                }
+                // Completions ready go out before the worker waits for more reads.
+                if self.finished.is_empty() && self.loads_running() > 0 {
+                    self.load_step();
+                }
+            }));
+            if step.is_err() {
+                self.loader_panicked();
+            }
+            let finished = std::mem::take(&mut self.finished);
+            if finished.into_iter().any(|c| done.send(c).is_err()) {
+                break;
+            }
+            if !open && self.loads_running() == 0 {
                 break;
             }
         }
         self.seal_all();
+    }
+
+    /// Starts queued load jobs: waits for one if the worker has nothing to do, else takes those
+    /// already queued while the running jobs' record bytes stay under `batch_bytes_max` and
+    /// their reads in flight under what the engine runs at once (a sync engine's threads: the
+    /// jobs beyond are left to the other load workers), returning early when completions are
+    /// ready to send. Returns false once the channel says stop.
+    fn take_loads(&mut self, jobs: &Receiver<Msg>) -> bool {
+        loop {
+            let idle = self.loads_running() == 0 && self.finished.is_empty();
+            let full = self.load_bytes >= self.settings.batch_bytes_max as u64
+                || self.load_ops.len() >= self.engine.parallel_max();
+            if !idle && (full || !self.finished.is_empty()) {
+                return true;
+            }
+            let msg = if idle {
+                jobs.recv().ok()
+            } else {
+                match jobs.try_recv() {
+                    Ok(msg) => Some(msg),
+                    Err(crossbeam_channel::TryRecvError::Empty) => return true,
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => None,
+                }
+            };
+            match msg {
+                Some(Msg::Job(job)) => self.start_load(job),
+                Some(Msg::Stop) | None => return false,
+            }
+        }
+    }
+
+    /// Number of load jobs the worker runs.
+    fn loads_running(&self) -> usize {
+        self.loads.iter().filter(|l| l.is_some()).count()
+    }
+
+    /// Starts load job `job` beside the running ones: its reads are prepared, merged and
+    /// submitted (after enough running jobs finished to keep the record bytes under
+    /// `batch_bytes_max` and the reads under [`BATCH_OPS_MAX`]). A job too large for that, or
+    /// a store job, runs alone once nothing else is in flight.
+    fn start_load(&mut self, job: TierJob) {
+        let bytes: u64 = job
+            .chunks
+            .iter()
+            .map(|&(_, _, len)| file_bytes(u64::from(len)))
+            .fold(0, u64::saturating_add);
+        let budget = self.settings.batch_bytes_max as u64;
+        if job.op != TierOp::Load || bytes > budget || job.chunks.len() > BATCH_OPS_MAX {
+            while self.loads_running() > 0 {
+                self.load_step();
+            }
+            self.run_alone(job);
+            return;
+        }
+        while self.loads_running() > 0
+            && (self.load_bytes + bytes > budget
+                || self.load_ops.len() + job.chunks.len() > BATCH_OPS_MAX)
+        {
+            self.load_step();
+        }
+        if self.loads_running() > 0 {
+            add(&self.stats().loads_overlapped, 1);
+        }
+        let n = match self.loads.iter().position(Option::is_none) {
+            Some(n) => n,
+            None => {
+                self.loads.push(None);
+                self.loads.len() - 1
+            }
+        };
+        self.loads[n] = Some(ActiveLoad {
+            id: job.id,
+            keys: job.chunks.iter().map(|&(key, _, _)| key).collect(),
+            bytes,
+        });
+        self.load_failed.reset(n);
+        self.load_bytes += bytes;
+        if self.is_cancelled(job.id) {
+            for &(key, _, _) in &job.chunks {
+                self.load_failed
+                    .add(&self.shared.stats, n, key, FailureKind::Cancelled);
+            }
+        } else {
+            self.prune_readers();
+            let mut items = Vec::with_capacity(job.chunks.len());
+            for &(key, slot, len) in &job.chunks {
+                match self.prepare_load(n, key, slot, len) {
+                    Ok(item) => items.push(item),
+                    Err(kind) => self.load_failed.add(&self.shared.stats, n, key, kind),
+                }
+            }
+            let items = self.merge_reads(items);
+            self.submit_loads(items);
+        }
+        self.finish_loads();
+    }
+
+    /// Runs `job` alone (loads batch by batch) and queues its completion; a panic fails its keys.
+    fn run_alone(&mut self, job: TierJob) {
+        let group = [job];
+        let completions = catch_unwind(AssertUnwindSafe(|| self.run_group(&group)))
+            .unwrap_or_else(|_| self.panicked(&group));
+        self.finished.extend(completions);
+    }
+
+    /// Submits reads of the running load jobs; handles at once those that complete without the
+    /// engine (injected errors, refused submissions).
+    fn submit_loads(&mut self, items: Vec<(Pending, Ready)>) {
+        if items.is_empty() {
+            return;
+        }
+        let mut results = Vec::new();
+        let mut waiting = std::mem::take(&mut self.load_ops);
+        self.fill_and_submit(items, &mut waiting, &mut results);
+        self.load_ops = waiting;
+        self.loads_done(results);
+    }
+
+    /// Hands completed reads of the running load jobs to `load_done` (verify, copy into the
+    /// slot) and submits the reads it asks to retry.
+    fn loads_done(&mut self, results: Vec<(Pending, io::Result<usize>, AlignedBuf)>) {
+        let mut failed = std::mem::take(&mut self.load_failed);
+        let mut retries = Vec::new();
+        for (pending, result, buf) in results {
+            self.load_done(pending, result, buf, &mut failed, &mut retries);
+        }
+        self.load_failed = failed;
+        self.submit_loads(retries);
+    }
+
+    /// Reaps at least one read of the running load jobs (waiting for it), handles what was
+    /// reaped, and finishes the jobs whose reads all completed.
+    fn load_step(&mut self) {
+        let mut reaped = Vec::new();
+        if self.engine.in_flight() > 0 {
+            if self.engine.reap(&mut reaped, 1).is_err() {
+                self.load_reap_errors += 1;
+                // A read into a slot owns it until reaped: never give up on those.
+                let into_slot = self.load_ops.values().any(|p| p.zero_copy);
+                if self.load_reap_errors <= REAP_ERRORS_MAX || into_slot {
+                    std::thread::sleep(Duration::from_millis(1));
+                } else {
+                    self.give_up_load_ops();
+                }
+            } else {
+                self.load_reap_errors = 0;
+            }
+        } else {
+            // Nothing in flight, yet reads are waiting: the engine lost them.
+            self.give_up_load_ops();
+        }
+        let results: Vec<_> = reaped
+            .into_iter()
+            .filter_map(|c| {
+                let pending = self.load_ops.remove(&c.tag)?;
+                Some((pending, c.result, c.buf))
+            })
+            .collect();
+        self.loads_done(results);
+        self.finish_loads();
+    }
+
+    /// Fails the reads of the running load jobs that the engine still holds (or lost). The
+    /// engine may still use their descriptors: a reference to each is leaked so that its
+    /// number is not reused.
+    fn give_up_load_ops(&mut self) {
+        let lost: Vec<_> = self.load_ops.drain().map(|(_, p)| p).collect();
+        let stats = &self.shared.stats;
+        for pending in lost {
+            std::mem::forget(Arc::clone(&pending.file));
+            let members = if pending.members.is_empty() {
+                vec![(pending.job, pending.key)]
+            } else {
+                pending.members.iter().map(|m| (m.job, m.key)).collect()
+            };
+            for (job, key) in members {
+                self.load_failed.add(stats, job, key, FailureKind::Io);
+            }
+        }
+    }
+
+    /// Finishes the running load jobs none of whose reads is in flight: their completions
+    /// are queued and their bytes leave the budget.
+    fn finish_loads(&mut self) {
+        for n in 0..self.loads.len() {
+            if self.loads[n].is_none() || self.load_ops.values().any(|p| p.job == n) {
+                continue;
+            }
+            let Some(load) = self.loads[n].take() else {
+                continue;
+            };
+            self.load_bytes -= load.bytes;
+            let failed = self.load_failed.take(n);
+            self.shared.cancelled().remove(&load.id);
+            self.finished.push(TierCompletion {
+                id: load.id,
+                failed,
+            });
+        }
+    }
+
+    /// After a panic in the load pipeline: reaps every read in flight (some may move bytes
+    /// into slots), then fails every key of the running load jobs.
+    fn loader_panicked(&mut self) {
+        let mut reaped = Vec::new();
+        while self.engine.in_flight() > 0 {
+            if self.engine.reap(&mut reaped, 1).is_err() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            reaped.clear();
+        }
+        self.load_ops.clear();
+        for n in 0..self.loads.len() {
+            let Some(load) = self.loads[n].take() else {
+                continue;
+            };
+            let mut failed = Failed::new(1);
+            for &key in &load.keys {
+                failed.add(&self.shared.stats, 0, key, FailureKind::Io);
+            }
+            self.shared.cancelled().remove(&load.id);
+            self.finished.push(TierCompletion {
+                id: load.id,
+                failed: failed.take(0),
+            });
+        }
+        self.load_bytes = 0;
     }
 
     /// The writer's loop: runs store jobs as one pipeline of appends to its open segment. It
@@ -1980,5 +2272,131 @@ fn give_up_segments(
     for seg in segments.drain(..) {
         index.release(SEAL_BYTES);
         index.set_state(seg.id, SegmentState::Sealed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::NamespaceId;
+    use crate::io::sync::SyncEngine;
+    use tier_testkit::VecSlotMemory;
+
+    const SLOT_BYTES: usize = 64 << 10;
+
+    fn key(n: u64) -> ChunkKey {
+        ChunkKey::new(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x77, 0)
+    }
+
+    fn worker(dir: &std::path::Path, shared: &Arc<Shared>, memory: &Arc<VecSlotMemory>) -> Worker {
+        let namespace = NamespaceId {
+            model: "worker-test".into(),
+            dtype: "bf16".into(),
+            tokens_per_chunk: 16,
+            parallel_layout: "tp1".into(),
+        };
+        let layout = Layout::new(dir, &namespace);
+        std::fs::create_dir_all(layout.dir()).unwrap();
+        let settings = WorkerSettings {
+            layout,
+            durability: Durability::None,
+            quiet: true,
+            batch_bytes_max: 32 << 20,
+            segment_bytes: 16 << 20,
+            shared_dir: false,
+            zero_copy_loads: false,
+        };
+        let memory: Arc<dyn SlotMemory> = Arc::clone(memory) as Arc<dyn SlotMemory>;
+        // Threads for every job's (merged) read at once.
+        Worker::new(
+            Box::new(SyncEngine::new(8).unwrap()),
+            memory,
+            Arc::clone(shared),
+            settings,
+        )
+    }
+
+    fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {
+        TierJob {
+            id: JobId(id),
+            request: None,
+            op,
+            chunks,
+        }
+    }
+
+    /// Eight load jobs queued at once run as one pipeline on one load worker: each starts while
+    /// the others' reads are in flight (`loads_overlapped`), and each completes exactly once,
+    /// with its own failed keys (a key never stored) and every loaded slot holding its bytes.
+    #[test]
+    fn one_load_worker_runs_queued_load_jobs_together_and_finishes_each() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = Arc::new(VecSlotMemory::new(64, SLOT_BYTES));
+        let shared = Arc::new(Shared::new(1 << 30, &FaultPlan::default(), 1));
+        for n in 0..16u32 {
+            memory.fill(SlotId(n), SLOT_BYTES, 500 + u64::from(n));
+        }
+        let chunks = (0..16u32)
+            .map(|n| (key(u64::from(n)), SlotId(n), SLOT_BYTES as u32))
+            .collect();
+        let mut writer = worker(dir.path(), &shared, &memory);
+        let stored = writer.run_group(&[job(1, TierOp::Store, chunks)]);
+        assert!(stored.iter().all(|c| c.is_success()), "{stored:?}");
+
+        // Job j loads chunks 2j and 2j+1 into slots 32+2j and 33+2j; job 3 also asks for a
+        // key never stored.
+        let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
+        for j in 0..8u32 {
+            let mut chunks: Vec<_> = (2 * j..2 * j + 2)
+                .map(|n| (key(u64::from(n)), SlotId(32 + n), SLOT_BYTES as u32))
+                .collect();
+            if j == 3 {
+                chunks.push((key(99), SlotId(63), SLOT_BYTES as u32));
+            }
+            jobs_tx
+                .send(Msg::Job(job(100 + u64::from(j), TierOp::Load, chunks)))
+                .unwrap();
+        }
+        jobs_tx.send(Msg::Stop).unwrap();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let loader = worker(dir.path(), &shared, &memory);
+        let running = std::thread::spawn(move || loader.run(jobs_rx, done_tx));
+        // A job's slots hold their bytes by the time its completion is sent.
+        let mut done = Vec::new();
+        for c in done_rx.iter() {
+            let j = (c.id.0 - 100) as u32;
+            for n in 2 * j..2 * j + 2 {
+                assert!(
+                    memory.matches(SlotId(32 + n), SLOT_BYTES, 500 + u64::from(n)),
+                    "slot {} differs when job {:?} completed",
+                    32 + n,
+                    c.id
+                );
+            }
+            done.push(c);
+        }
+        running.join().unwrap();
+        done.sort_by_key(|c| c.id);
+        let ids: Vec<_> = done.iter().map(|c| c.id.0).collect();
+        assert_eq!(ids, (100..108).collect::<Vec<_>>());
+        for c in &done {
+            let expected = if c.id == JobId(103) {
+                vec![key(99)]
+            } else {
+                Vec::new()
+            };
+            assert_eq!(c.failed, expected, "job {:?}", c.id);
+        }
+        for n in 0..16u32 {
+            assert!(
+                memory.matches(SlotId(32 + n), SLOT_BYTES, 500 + u64::from(n)),
+                "slot {} differs",
+                32 + n
+            );
+        }
+        let stats = shared.stats.snapshot("sync");
+        assert_eq!(stats.loads_overlapped, 7, "{stats:?}");
+        assert_eq!(stats.chunks_loaded, 16, "{stats:?}");
+        assert_eq!(stats.failures_of(FailureKind::Missing), 1, "{stats:?}");
     }
 }

@@ -470,6 +470,37 @@ fn neighbouring_records_are_read_at_once(engine: EngineChoice) {
     assert_eq!(stats.failures_total(), 2, "{stats:?}");
 }
 
+/// A record damaged on disk in the middle of neighbouring records: the load reads all of them at
+/// once (one merged read) and fails only the damaged one; the others land in their slots intact,
+/// and the damaged record is quarantined (a later load of it misses).
+fn corrupt_record_inside_a_merged_read_fails_alone(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(config(dir.path(), engine));
+    let chunks: Vec<_> = (1..=4).map(|n| (key(n), n as u32, FULL, 400 + n)).collect();
+    assert!(rig.store(&chunks).is_success());
+    let zero_copy_loads = rig.tier.stats().direct_io
+        && rig.memory.slot_ptr(offload_core::SlotId(0)).is_some()
+        && config(dir.path(), engine).zero_copy_loads;
+    let (path, second) = rig.tier.chunk_location(key(2)).unwrap();
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[second as usize + 4096 + 100] ^= 0xFF;
+    fs::write(&path, bytes).unwrap();
+    let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
+    assert_eq!(rig.load(&loads).failed, vec![key(2)]);
+    // The four records were read at once (bounce-buffered loads only).
+    let merged = if zero_copy_loads { 0 } else { 4 };
+    assert_eq!(rig.tier.stats().reads_merged, merged);
+    for (n, slot) in [(401, 9), (403, 11), (404, 12)] {
+        assert!(rig.slot_is(slot, FULL, n), "slot {slot} differs");
+    }
+    let stats = rig.tier.stats();
+    assert_eq!(stats.failures_of(FailureKind::Corrupt), 1, "{stats:?}");
+    assert_eq!(stats.failures_total(), 1, "{stats:?}");
+    assert_eq!(stats.quarantined, 1, "{stats:?}");
+    assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
+    assert!(rig.load(&loads[2..]).is_success());
+}
+
 fn store_jobs_share_one_append_stream(engine: EngineChoice) {
     let dir = tempfile::tempdir().unwrap();
     let mut rig = Rig::start(config(dir.path(), engine));
@@ -555,6 +586,7 @@ macro_rules! all_engine_tests {
             every_nth_rule_and_durable_stores
             zero_copy_faults_are_caught
             neighbouring_records_are_read_at_once
+            corrupt_record_inside_a_merged_read_fails_alone
             store_jobs_share_one_append_stream
         );
     };

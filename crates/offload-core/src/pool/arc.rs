@@ -257,17 +257,25 @@ impl Arc {
         let (b1_len, b2_len) = (self.b1.len, self.b2.len);
         let g = if b1_len + b2_len >= self.capacity {
             let from_b1 = b1_len > 0 && (self.t1.len + b1_len >= self.capacity || b2_len == 0);
-            let g = if from_b1 {
-                let g = self.b1.tail;
-                debug_assert_ne!(g, NIL);
-                self.b1.unlink(&mut self.ghosts, g);
-                g
-            } else {
-                let g = self.b2.tail;
-                debug_assert_ne!(g, NIL);
-                self.b2.unlink(&mut self.ghosts, g);
-                g
+            // The dropped ghost's entry becomes the new ghost: when both are on one list, its
+            // least recent entry moves to the front in one step.
+            let g = match (from_b1, to_b2) {
+                (true, false) => self.b1.rotate_tail_to_front(&mut self.ghosts),
+                (false, true) => self.b2.rotate_tail_to_front(&mut self.ghosts),
+                (true, true) => {
+                    let g = self.b1.tail;
+                    self.b1.unlink(&mut self.ghosts, g);
+                    self.b2.push_front(&mut self.ghosts, g);
+                    g
+                }
+                (false, false) => {
+                    let g = self.b2.tail;
+                    self.b2.unlink(&mut self.ghosts, g);
+                    self.b1.push_front(&mut self.ghosts, g);
+                    g
+                }
             };
+            debug_assert_ne!(g, NIL);
             let this = &*self;
             let slots_ro = &*slots;
             let found = map.remove(
@@ -282,14 +290,14 @@ impl Arc {
             debug_assert_ne!(g, NIL, "ghost arena exhausted");
             self.ghost_free = self.ghosts[g as usize].link.next;
             self.ghosts[g as usize].link = Link::UNLINKED;
+            if to_b2 {
+                self.b2.push_front(&mut self.ghosts, g);
+            } else {
+                self.b1.push_front(&mut self.ghosts, g);
+            }
             g
         };
         self.ghosts[g as usize].fp = ghost_fp(h) | u32::from(to_b2);
-        if to_b2 {
-            self.b2.push_front(&mut self.ghosts, g);
-        } else {
-            self.b1.push_front(&mut self.ghosts, g);
-        }
         let found = map.replace(h, s, self.capacity + g);
         debug_assert!(found, "slot {s} missing from the key table");
     }

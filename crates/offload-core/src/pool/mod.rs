@@ -105,10 +105,13 @@ const ARC_TRACKER_MAP_BUCKETS_PER_SLOT: (usize, usize) = (11, 2);
 
 /// Calls with more keys than this dedupe new keys with a hash set; smaller ones with a filter of
 /// [`DEDUPE_FILTER_BITS`] bits of the keys' hashes, and a linear scan only when a key's bit was
-/// already set (for up to 256 keys, at most a quarter of them).
+/// already set (for up to 256 keys, at most a sixteenth of them).
 const DEDUPE_FILTER_MAX: usize = 256;
 /// Size of the dedupe filter.
-const DEDUPE_FILTER_BITS: usize = 1024;
+const DEDUPE_FILTER_BITS: usize = 4096;
+/// Shift that takes a hash's top bits as its filter bit (`DEDUPE_FILTER_BITS` is 2^12).
+const DEDUPE_FILTER_SHIFT: u32 = 64 - DEDUPE_FILTER_BITS.trailing_zeros();
+const _: () = assert!(DEDUPE_FILTER_BITS.is_power_of_two());
 
 /// `Slot::list` of a free slot.
 const LIST_FREE: u8 = 0;
@@ -146,6 +149,14 @@ impl Slot {
         mark: 0,
         link: Link::UNLINKED,
     };
+
+    /// Takes new key `key`, being written (list and links are the policy's to set).
+    #[inline]
+    fn set_writing(&mut self, key: ChunkKey) {
+        self.hash = key.hash;
+        self.group = key.group;
+        self.refc = -1;
+    }
 
     #[inline]
     fn evictable(&self) -> bool {
@@ -203,31 +214,42 @@ impl Policy {
         }
     }
 
-    /// Takes the next chunk to evict off the policy's list and out of the key table (with ARC
-    /// its table entry becomes its ghost's) and returns its slot, still holding its key; `None`
-    /// if no evictable chunk is left. One dispatch per eviction.
+    /// Evicts up to `count` chunks, in the policy's order: each one off the policy's list and
+    /// out of the key table (with ARC its table entry becomes its ghost's), its slot appended to
+    /// `victims`, still holding its key. Stops early only when no evictable chunk is left.
+    /// One dispatch per call, not per eviction.
     #[inline]
-    fn evict_next(
+    fn evict_into(
         &mut self,
         slots: &mut [Slot],
         map: &mut IndexTable,
-        cursor: &mut VictimCursor,
-    ) -> Option<u32> {
+        count: usize,
+        victims: &mut Vec<SlotId>,
+    ) {
+        let mut cursor = self.victim_cursor();
         match self {
             Policy::Lru(l) => {
-                let v = l.next_victim(slots, cursor)?;
-                let h = mix(slots[v as usize].key());
-                l.remove(slots, v);
-                let slots = &*slots;
-                let found = map.remove(h, v, |i| mix(slots[i as usize].key()));
-                debug_assert!(found, "slot {v} missing from the key table");
-                Some(v)
+                for _ in 0..count {
+                    let Some(v) = l.next_victim(slots, &mut cursor) else {
+                        return;
+                    };
+                    let h = mix(slots[v as usize].key());
+                    l.remove(slots, v);
+                    let slots = &*slots;
+                    let found = map.remove(h, v, |i| mix(slots[i as usize].key()));
+                    debug_assert!(found, "slot {v} missing from the key table");
+                    victims.push(SlotId(v));
+                }
             }
             Policy::Arc(a) => {
-                let v = a.next_victim(slots, cursor)?;
-                let h = mix(slots[v as usize].key());
-                a.evict(slots, map, v, h);
-                Some(v)
+                for _ in 0..count {
+                    let Some(v) = a.next_victim(slots, &mut cursor) else {
+                        return;
+                    };
+                    let h = mix(slots[v as usize].key());
+                    a.evict(slots, map, v, h);
+                    victims.push(SlotId(v));
+                }
             }
         }
     }
@@ -287,7 +309,7 @@ pub struct HostPool {
     dedupe: Vec<DedupeEntry>,
     dedupe_generation: u32,
     /// `prepare_store` scratch of calls with at most [`DEDUPE_FILTER_MAX`] keys: a bit per hash
-    /// value of the new keys so far (bits 54 to 63 of the hash).
+    /// value of the new keys so far (the top 12 bits of the hash).
     dedupe_filter: [u64; DEDUPE_FILTER_BITS / 64],
 }
 
@@ -680,7 +702,7 @@ impl HostPool {
     #[inline]
     fn is_duplicate(&mut self, new_keys: &[ChunkKey], key: ChunkKey, h: u64, large: bool) -> bool {
         if !large {
-            let bit = (h >> 54) as usize;
+            let bit = (h >> DEDUPE_FILTER_SHIFT) as usize;
             let (word, mask) = (bit / 64, 1u64 << (bit % 64));
             if self.dedupe_filter[word] & mask == 0 {
                 self.dedupe_filter[word] |= mask;
@@ -738,41 +760,51 @@ impl HostPool {
         self.marked.clear();
     }
 
-    /// Reserves a free slot for new key `key` (hash `h`): being written, on the policy's list and
-    /// in the key table (taking over the table entry of the key's ghost, if any).
+    /// Gives the new keys `keys` (hashes `hashes`) the slots `slots`, in order: each one being
+    /// written, on the policy's list and in the key table (taking over the table entry of the
+    /// key's ghost, if any). Every slot is free and off the free stack (popped from it, or an
+    /// evicted slot handed over directly).
     #[inline]
-    fn reserve(&mut self, key: ChunkKey, h: u64) -> u32 {
-        let s = self.pop_free();
-        let slot = &mut self.slots[s as usize];
-        slot.hash = key.hash;
-        slot.group = key.group;
-        slot.refc = -1;
+    fn install(&mut self, keys: &[ChunkKey], hashes: &[u64], slots: &[SlotId]) {
+        debug_assert!(keys.len() == slots.len() && hashes.len() >= keys.len());
+        // One policy dispatch per call, not per key.
         match &mut self.policy {
             Policy::Lru(l) => {
-                l.insert(&mut self.slots, s);
-                let slots = &self.slots;
-                self.map.insert(h, s, |i| mix(slots[i as usize].key()));
+                for ((&key, &h), &SlotId(s)) in keys.iter().zip(hashes).zip(slots) {
+                    self.slots[s as usize].set_writing(key);
+                    l.insert(&mut self.slots, s);
+                    let slots = &self.slots;
+                    self.map.insert(h, s, |i| mix(slots[i as usize].key()));
+                }
             }
-            // A ghost of the key gives its table entry to the slot.
-            Policy::Arc(a) => a.insert(&mut self.slots, &mut self.map, s, h),
+            Policy::Arc(a) => {
+                for ((&key, &h), &SlotId(s)) in keys.iter().zip(hashes).zip(slots) {
+                    self.slots[s as usize].set_writing(key);
+                    // A ghost of the key gives its table entry to the slot.
+                    a.insert(&mut self.slots, &mut self.map, s, h);
+                }
+            }
         }
-        s
     }
 
-    /// Finishes the eviction of slot `s`, already off the policy and out of the key table: onto
-    /// the free stack, counted, and a Removed event.
+    /// Finishes the eviction of `victims`, already off the policy and out of the key table:
+    /// counted, and a Removed event each. The slots are not put on the free stack: the caller
+    /// hands them to new keys.
     #[inline]
-    fn evicted(&mut self, s: u32) {
-        let slot = self.slots[s as usize];
-        debug_assert!(!slot.present() && slot.evictable());
-        self.push_free(s);
-        self.idle_count -= 1;
-        self.stats.evictions += 1;
+    fn evicted(&mut self, victims: &[SlotId]) {
+        debug_assert!(victims.iter().all(|&SlotId(s)| {
+            let slot = &self.slots[s as usize];
+            !slot.present() && slot.evictable()
+        }));
+        self.idle_count -= victims.len() as u32;
+        self.stats.evictions += victims.len() as u64;
         if self.config.events {
-            self.events.push(KvEvent::Removed {
-                key: slot.key(),
-                medium: Medium::Cpu,
-            });
+            for &SlotId(s) in victims {
+                self.events.push(KvEvent::Removed {
+                    key: self.slots[s as usize].key(),
+                    medium: Medium::Cpu,
+                });
+            }
         }
     }
 }
@@ -958,33 +990,31 @@ impl OffloadManager for HostPool {
         }
 
         // Phase 3: evict (each eviction's Removed event precedes any later Stored event), then
-        // reserve a slot for each new key, in the order given.
+        // give each new key a slot, in the order given. The victims go straight to the first
+        // new keys, last victim first, then the free stack's slots: the order a free stack with
+        // the victims pushed on top would hand them out, without the round trip through it.
         self.last_store.clear();
-        let mut cursor = self.policy.victim_cursor();
-        for _ in 0..to_evict {
-            let Some(v) = self
-                .policy
-                .evict_next(&mut self.slots, &mut self.map, &mut cursor)
-            else {
-                // The idle count promised more evictable chunks than the lists hold.
-                self.broken(format_args!(
-                    "{evictable} slots counted evictable, fewer found"
-                ));
-                break;
-            };
-            self.evicted(v);
+        self.policy
+            .evict_into(&mut self.slots, &mut self.map, to_evict, &mut out.slots);
+        let evicted = out.slots.len();
+        if evicted < to_evict {
+            // The idle count promised more evictable chunks than the lists hold.
+            self.broken(format_args!(
+                "{evictable} slots counted evictable, fewer found"
+            ));
         }
-        // Only after a broken invariant above are there fewer free slots than new keys: then
-        // store what fits.
-        let storable = needed.min(self.free_count as usize);
+        self.evicted(&out.slots);
+        out.slots.reverse();
+        // Only after a broken invariant above are there fewer slots than new keys: then store
+        // what fits.
+        let storable = needed.min(out.slots.len() + self.free_count as usize);
         out.keys.truncate(storable);
+        while out.slots.len() < storable {
+            let s = self.pop_free();
+            out.slots.push(SlotId(s));
+        }
         let new_hashes = std::mem::take(&mut self.new_hashes);
-        out.slots.extend(
-            out.keys
-                .iter()
-                .zip(&new_hashes)
-                .map(|(&key, &h)| SlotId(self.reserve(key, h))),
-        );
+        self.install(&out.keys, &new_hashes, &out.slots);
         self.new_hashes = new_hashes;
         self.last_store.extend(out.slots.iter().map(|s| s.0));
         self.new_hashes.clear();
@@ -995,6 +1025,8 @@ impl OffloadManager for HostPool {
     }
 
     fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
+        // Chunks made ready, counted once at the end.
+        let mut stored = 0u32;
         for (i, &key) in keys.iter().enumerate() {
             // Usually the keys of the last prepare_store, in order: their slots need no probe.
             // A slot that holds `key` is `key`'s slot (keys are unique), so the check is exact.
@@ -1011,8 +1043,7 @@ impl OffloadManager for HostPool {
             }
             if success {
                 self.slots[s as usize].refc = 0;
-                self.idle_count += 1;
-                self.stats.chunks_stored += 1;
+                stored += 1;
                 if self.config.events {
                     self.events.push(KvEvent::Stored {
                         key,
@@ -1028,6 +1059,8 @@ impl OffloadManager for HostPool {
                 self.push_free(s);
             }
         }
+        self.idle_count += stored;
+        self.stats.chunks_stored += u64::from(stored);
     }
 
     fn on_request_finished(&mut self, _request: RequestId) {}

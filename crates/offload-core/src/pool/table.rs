@@ -109,6 +109,16 @@ impl IndexTable {
         (e & low_bits(DISP_SHIFT)) | (d << DISP_SHIFT)
     }
 
+    /// Where a probe stops, as one comparison: `ends_probe(e, stop)` holds for an empty bucket
+    /// and for an entry displaced less than the probe's distance `d`, where `stop` is
+    /// `min(d, DISP_MAX)` in the displacement field (see [`next_stop`]). The displacement is
+    /// the entry's top bits, so `disp(e) < min(d, DISP_MAX)` is `e < stop`, and `EMPTY + 1`
+    /// wraps to 0.
+    #[inline]
+    fn ends_probe(e: u32, stop: u32) -> bool {
+        e.wrapping_add(1) <= stop
+    }
+
     #[inline]
     fn next(&self, i: usize) -> usize {
         let j = i + 1;
@@ -134,22 +144,20 @@ impl IndexTable {
     pub(crate) fn find(&self, h: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
         let tag = self.tag(h);
         let mut i = self.home(h);
-        let mut d = 0u32;
+        let mut stop = 0u32;
         loop {
             let e = self.entries[i];
-            if e == EMPTY {
-                return None;
-            }
-            // An entry displaced less than our probe distance: in Robin Hood order, the key would
-            // sit before it. (A saturated displacement never ends the search early.)
-            if self.disp(e) < d.min(DISP_MAX) {
+            // An empty bucket, or an entry displaced less than our probe distance: in Robin Hood
+            // order, the key would sit before it. (A saturated displacement never ends the
+            // search early.)
+            if Self::ends_probe(e, stop) {
                 return None;
             }
             if e & self.tag_mask == tag && eq(e & self.idx_mask) {
                 return Some(e & self.idx_mask);
             }
             i = self.next(i);
-            d += 1;
+            stop = next_stop(stop);
         }
     }
 
@@ -198,13 +206,14 @@ impl IndexTable {
         let tag = self.tag(h);
         let mut i = self.home(h);
         let mut d = 0u32;
+        let mut stop = 0u32;
         loop {
             let e = self.entries[i];
-            if e == EMPTY {
-                break;
-            }
-            // Where `find` would stop, Robin Hood insertion places the new entry.
-            if self.yields(e, i, d, &mut hash_of) {
+            // Where `find` would stop, Robin Hood insertion places the new entry (`yields`, with
+            // the common cases in one comparison).
+            if Self::ends_probe(e, stop)
+                || (self.disp(e) == DISP_MAX && self.yields(e, i, d, &mut hash_of))
+            {
                 break;
             }
             if e & self.tag_mask == tag && is_old(e & self.idx_mask) {
@@ -213,6 +222,7 @@ impl IndexTable {
             }
             i = self.next(i);
             d += 1;
+            stop = next_stop(stop);
         }
         self.insert_from(i, d, tag | idx, hash_of);
         None
@@ -266,11 +276,11 @@ impl IndexTable {
     ) -> Option<u32> {
         let tag = self.tag(h);
         let mut i = self.home(h);
-        let mut d = 0u32;
+        let mut stop = 0u32;
         let mut second = None;
         loop {
             let e = self.entries[i];
-            if e == EMPTY || self.disp(e) < d.min(DISP_MAX) {
+            if Self::ends_probe(e, stop) {
                 return second;
             }
             if e & self.tag_mask == tag {
@@ -283,7 +293,7 @@ impl IndexTable {
                 }
             }
             i = self.next(i);
-            d += 1;
+            stop = next_stop(stop);
         }
     }
 
@@ -305,6 +315,25 @@ impl IndexTable {
         }
     }
 
+    /// The bucket of the entry for `idx`, stored under `h`, for the callers that own that entry
+    /// (its slot or ghost is in the table): no Robin Hood early exit, which in a table that
+    /// keeps its invariants never fires before the entry is reached, only the end of the
+    /// cluster (every table has an empty bucket). `None` only if the entry is missing.
+    #[inline]
+    fn position_owned(&self, h: u64, idx: u32) -> Option<usize> {
+        let mut i = self.home(h);
+        loop {
+            let e = self.entries[i];
+            if e & self.idx_mask == idx {
+                return Some(i);
+            }
+            if e == EMPTY {
+                return None;
+            }
+            i = self.next(i);
+        }
+    }
+
     /// Whether the entry for `idx` is stored under `h` (invariant checks).
     pub(crate) fn contains(&self, h: u64, idx: u32) -> bool {
         self.position(h, idx).is_some()
@@ -315,7 +344,7 @@ impl IndexTable {
     #[inline]
     pub(crate) fn replace(&mut self, h: u64, old: u32, new: u32) -> bool {
         debug_assert!(new < self.idx_mask);
-        let Some(i) = self.position(h, old) else {
+        let Some(i) = self.position_owned(h, old) else {
             return false;
         };
         self.entries[i] = (self.entries[i] & !self.idx_mask) | new;
@@ -326,7 +355,7 @@ impl IndexTable {
     /// other index (called only for saturated displacements). Returns whether it was found.
     #[inline]
     pub(crate) fn remove(&mut self, h: u64, idx: u32, mut hash_of: impl FnMut(u32) -> u64) -> bool {
-        let Some(i) = self.position(h, idx) else {
+        let Some(i) = self.position_owned(h, idx) else {
             return false;
         };
         // Backward shift: each following entry away from its home moves back one bucket.
@@ -414,6 +443,17 @@ impl IndexTable {
             ));
         }
         Ok(())
+    }
+}
+
+/// The stop mark of a probe one bucket further (see [`IndexTable::ends_probe`]): the distance
+/// in the displacement field, saturated at [`DISP_MAX`].
+#[inline]
+fn next_stop(stop: u32) -> u32 {
+    if stop < DISP_MAX << DISP_SHIFT {
+        stop + (1 << DISP_SHIFT)
+    } else {
+        stop
     }
 }
 

@@ -122,4 +122,7 @@ pub trait IoEngine: Send {
     fn reap(&mut self, out: &mut Vec<IoCompletion>, min: usize) -> io::Result<()>;
     /// Operations submitted and not yet reaped.
     fn in_flight(&self) -> usize;
+    /// The most operations the engine runs at once (a thread pool's threads, the kernel's
+    /// completion queue); more in flight only wait in the engine.
+    fn parallel_max(&self) -> usize;
 }

@@ -142,6 +142,10 @@ impl IoEngine for SyncEngine {
         Ok(())
     }
 
+    fn parallel_max(&self) -> usize {
+        self.threads()
+    }
+
     fn in_flight(&self) -> usize {
         self.ops_in_flight
     }

@@ -250,6 +250,10 @@ impl IoEngine for UringEngine {
         }
     }
 
+    fn parallel_max(&self) -> usize {
+        self.in_kernel_max
+    }
+
     fn in_flight(&self) -> usize {
         self.ops_in_flight
     }
