@@ -37,6 +37,7 @@ mod lookup;
 pub mod nixl;
 mod peer;
 mod server;
+mod settle;
 mod shared;
 pub mod stats;
 mod store;

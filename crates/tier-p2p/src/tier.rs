@@ -370,9 +370,10 @@ impl P2pTier {
         let orphans: Vec<JobId> = self
             .held
             .iter()
-            .filter(|(_, h)| match h.route {
+            .filter(|(&id, h)| match h.route {
                 Route::Local => local_gone,
-                Route::Client => client_gone,
+                // A quarantined job's slots stay its own (see `drain`).
+                Route::Client => client_gone && !self.control.quarantined(id),
             })
             .map(|(&id, _)| id)
             .collect();
@@ -542,7 +543,9 @@ impl Tier for P2pTier {
     }
 
     fn drain(&mut self) {
-        while !self.held.is_empty() {
+        // A quarantined job (its NIXL READ stuck) completes only when NIXL ends the READ: not
+        // waited for.
+        while self.held.keys().any(|&id| !self.control.quarantined(id)) {
             match self.done.recv_timeout(DRAIN_CHECK) {
                 Ok(completion) => self.complete(completion),
                 Err(RecvTimeoutError::Timeout) => self.fail_orphans(),
@@ -551,7 +554,12 @@ impl Tier for P2pTier {
                     self.fail_orphans();
                     if !self.held.is_empty() {
                         log("workers gone with jobs in flight; failing them");
-                        let ids: Vec<JobId> = self.held.keys().copied().collect();
+                        let ids: Vec<JobId> = self
+                            .held
+                            .keys()
+                            .copied()
+                            .filter(|&id| !self.control.quarantined(id))
+                            .collect();
                         for id in ids {
                             let failed = self.held.get(&id).map(|h| h.keys.clone());
                             let failed = failed.unwrap_or_default();
