@@ -264,7 +264,11 @@ impl Client {
 
     /// The slots of `key`'s owners among the current members.
     fn owners_of(&self, key: ChunkKey) -> impl Iterator<Item = usize> + '_ {
-        owners(key, &self.member_ids, self.shared.config.owners)
+        let n = match self.shared.config.owners {
+            0 => self.member_ids.len(),
+            n => n,
+        };
+        owners(key, &self.member_ids, n)
             .into_iter()
             .map(|m| self.members[m])
     }

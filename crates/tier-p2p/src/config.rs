@@ -65,7 +65,8 @@ pub struct P2pConfig {
     /// behind a NAT): a member equal to it or to the bound address is this instance.
     pub advertise: Option<PeerAddr>,
     /// How many members own each key (1 to 3): lookups ask only a key's owners, and a publish
-    /// also pushes the chunk to them.
+    /// also pushes the chunk to them. 0: every member owns every key (lookups ask all members,
+    /// nothing is pushed), the reference that owner lookups are measured against.
     pub owners: usize,
     /// Most members taken from the directory (more are ignored, with a log line).
     pub members_max: usize,
@@ -200,8 +201,11 @@ impl P2pConfig {
                 format!("longer than {NAMESPACE_BYTES_MAX} bytes"),
             );
         }
-        if !(1..=3).contains(&self.owners) {
-            return config("owners", format!("{} outside 1..=3", self.owners));
+        if self.owners > 3 {
+            return config(
+                "owners",
+                format!("{} outside 0..=3 (0: all members)", self.owners),
+            );
         }
         if !(1..=u16::MAX as usize).contains(&self.members_max) {
             return config(
@@ -374,6 +378,9 @@ mod tests {
         let mut config = base();
         config.owners = 4;
         assert_eq!(field_of(config.validate(1024)), "owners");
+        let mut config = base();
+        config.owners = 0;
+        assert!(config.validate(1024).is_ok(), "owners 0 means all members");
         let mut config = base();
         config.peers_dns = Some("peers.local:7071".parse().expect("name"));
         config.peers = vec![config.listen.into()];

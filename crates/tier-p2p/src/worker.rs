@@ -51,11 +51,11 @@ impl Control {
         self.member_count.store(count, Ordering::SeqCst);
     }
 
-    /// Whether some member does not own every key (with `owners` owners per key): only then
-    /// must a publish push its chunks, since otherwise every lookup asks every member,
-    /// this one included.
+    /// Whether some member does not own every key (with `owners` owners per key, 0: all):
+    /// only then must a publish push its chunks, since otherwise every lookup asks every
+    /// member, this one included.
     pub(crate) fn push_needed(&self, owners: usize) -> bool {
-        self.member_count.load(Ordering::SeqCst) > owners
+        owners != 0 && self.member_count.load(Ordering::SeqCst) > owners
     }
 
     /// Counts a push command about to be queued, unless `max` are queued already.
