@@ -42,6 +42,28 @@ enum Route {
     Client,
 }
 
+/// The etcd directory that `config` names (checked by `validate`).
+#[cfg(feature = "etcd")]
+fn etcd_directory(config: &P2pConfig) -> Result<Box<dyn PeerDirectory>, P2pError> {
+    let mut etcd = crate::etcd::EtcdPeersConfig::new(
+        config.etcd_endpoints.clone(),
+        config.etcd_prefix.clone(),
+        Some(config.etcd_member()?),
+    );
+    etcd.lease_ttl = config.etcd_lease_ttl;
+    etcd.call_deadline = config.connect_deadline.max(Duration::from_secs(1));
+    Ok(Box::new(crate::etcd::EtcdPeers::start(etcd)?))
+}
+
+/// Without the feature `validate` refuses `etcd_endpoints`, so this is never reached.
+#[cfg(not(feature = "etcd"))]
+fn etcd_directory(_: &P2pConfig) -> Result<Box<dyn PeerDirectory>, P2pError> {
+    Err(P2pError::Config {
+        field: "etcd_endpoints",
+        reason: "this build has no etcd directory (tier-p2p's `etcd` feature)".to_owned(),
+    })
+}
+
 /// An accepted job not yet completed.
 #[derive(Debug)]
 struct Held {
@@ -118,8 +140,10 @@ impl P2pTier {
     /// config names: [`DnsPeers`] of `peers_dns`, else [`StaticPeers`] of `peers`.
     pub fn new(config: P2pConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, P2pError> {
         config.validate(memory.slot_bytes())?;
-        let no_peers = config.peers.is_empty() && config.peers_dns.is_none();
+        let etcd = !config.etcd_endpoints.is_empty();
+        let no_peers = config.peers.is_empty() && config.peers_dns.is_none() && !etcd;
         let directory: Box<dyn PeerDirectory> = match &config.peers_dns {
+            _ if etcd => etcd_directory(&config)?,
             Some(name) => Box::new(DnsPeers::start(
                 name.clone(),
                 config.dns_refresh,
@@ -127,19 +151,22 @@ impl P2pTier {
             )?),
             None => Box::new(StaticPeers::new(config.peers.clone())),
         };
-        let static_members = config.peers_dns.is_none();
+        let static_members = config.peers_dns.is_none() && !etcd;
         Self::start(config, memory, directory, no_peers, static_members)
     }
 
-    /// As [`P2pTier::new`], with the members given by `directory` (`peers` and `peers_dns`
-    /// must be unset).
+    /// As [`P2pTier::new`], with the members given by `directory` (`peers`, `peers_dns` and
+    /// `etcd_endpoints` must be unset).
     pub fn with_directory(
         config: P2pConfig,
         memory: Arc<dyn SlotMemory>,
         directory: Box<dyn PeerDirectory>,
     ) -> Result<Self, P2pError> {
         config.validate(memory.slot_bytes())?;
-        if !config.peers.is_empty() || config.peers_dns.is_some() {
+        if !config.peers.is_empty()
+            || config.peers_dns.is_some()
+            || !config.etcd_endpoints.is_empty()
+        {
             return Err(P2pError::Config {
                 field: "peers",
                 reason: "set together with a directory; pick one".to_owned(),

@@ -300,17 +300,29 @@ mod checks {
         ))
     }
 
-    /// A tier listening on `listen`, its members from etcd (itself registered).
-    fn tier(etcd: &Etcd, prefix: &str, listen: SocketAddr) -> (P2pTier, Arc<dyn SlotMemory>) {
+    /// A tier listening on `listen`, its members from etcd (itself registered): by the
+    /// config's `etcd_endpoints`, or (`by_hand`) an `EtcdPeers` given to `with_directory`.
+    fn tier(
+        etcd: &Etcd,
+        prefix: &str,
+        listen: SocketAddr,
+        by_hand: bool,
+    ) -> (P2pTier, Arc<dyn SlotMemory>) {
         let mut config = common::config(Vec::new());
         config.listen = listen;
         config.owners = 1;
-        let me = listen.to_string();
-        let directory = EtcdPeers::start(self::config(etcd, prefix, Some(&me))).expect("dir");
         let memory = memory();
-        let tier = P2pTier::with_directory(config, Arc::clone(&memory), Box::new(directory))
-            .expect("tier starts");
-        (tier, memory)
+        let tier = if by_hand {
+            let me = listen.to_string();
+            let directory = EtcdPeers::start(self::config(etcd, prefix, Some(&me))).expect("dir");
+            P2pTier::with_directory(config, Arc::clone(&memory), Box::new(directory))
+        } else {
+            config.etcd_endpoints = vec![etcd.url()];
+            config.etcd_prefix = prefix.to_owned();
+            config.etcd_lease_ttl = TTL;
+            P2pTier::new(config, Arc::clone(&memory))
+        };
+        (tier.expect("tier starts"), memory)
     }
 
     fn peers(tier: &P2pTier) -> BTreeSet<String> {
@@ -329,8 +341,8 @@ mod checks {
     fn tiers_follow_the_directory(etcd: &Etcd) {
         let prefix = "/kvtier/test/tiers/";
         let (x_addr, y_addr, z_addr) = (free_addr(), free_addr(), free_addr());
-        let (mut x, x_memory) = tier(etcd, prefix, x_addr);
-        let (mut y, _) = tier(etcd, prefix, y_addr);
+        let (mut x, x_memory) = tier(etcd, prefix, x_addr, true);
+        let (mut y, _) = tier(etcd, prefix, y_addr, false);
         common::publish(&mut x, &x_memory, KEYS, BYTES);
         let start = Instant::now();
         while peers(&y) != set(&[&x_addr.to_string()]) {
@@ -343,7 +355,7 @@ mod checks {
         }
         // z joins. With owners = 1, y now asks each key's one owner among {x, z}: x's keys
         // still hit, z's keys miss (z holds none: x published before z joined).
-        let (z, _) = tier(etcd, prefix, z_addr);
+        let (z, _) = tier(etcd, prefix, z_addr, false);
         let xz = set(&[&x_addr.to_string(), &z_addr.to_string()]);
         let start = Instant::now();
         while peers(&y) != xz {
