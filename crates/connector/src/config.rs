@@ -147,6 +147,17 @@ pub struct P2pTierSpec {
     /// How often `peers_dns` is resolved again, in milliseconds.
     #[serde(default)]
     pub dns_refresh_ms: Option<u64>,
+    /// Instead of `peers` and `peers_dns`: etcd client URLs (`http://host:2379`); the members
+    /// are those registered under `etcd_prefix`, this instance included (as `advertise`, else
+    /// `listen`, which then needs a fixed port). Needs the connector's `etcd` feature.
+    #[serde(default)]
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key prefix of this group's members (default `/kvtier/p2p/members/`).
+    #[serde(default)]
+    pub etcd_prefix: Option<String>,
+    /// The registration's lease time to live in milliseconds (default 10000, at least 1000).
+    #[serde(default)]
+    pub etcd_lease_ttl_ms: Option<u64>,
     /// How peers name this instance, as `host:port`, when that is not `listen`.
     #[serde(default)]
     pub advertise: Option<String>,
@@ -574,6 +585,30 @@ fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigEr
                     "set together with `peers`; pick one",
                 ));
             }
+            if !p2p.etcd_endpoints.is_empty() && (p2p.peers_dns.is_some() || !p2p.peers.is_empty())
+            {
+                return Err(invalid(
+                    key("etcd_endpoints"),
+                    "set together with `peers` or `peers_dns`; pick one",
+                ));
+            }
+            for (j, url) in p2p.etcd_endpoints.iter().enumerate() {
+                let rest = url
+                    .strip_prefix("http://")
+                    .or_else(|| url.strip_prefix("https://"));
+                if rest.is_none_or(|r| host_port(r.trim_end_matches('/')).is_err()) {
+                    return Err(invalid(
+                        key(&format!("etcd_endpoints[{j}]")),
+                        format!("{url:?} is not http://host:port or https://host:port"),
+                    ));
+                }
+            }
+            if p2p.etcd_prefix.as_deref() == Some("") {
+                return Err(invalid(key("etcd_prefix"), "must not be empty"));
+            }
+            if p2p.etcd_lease_ttl_ms.is_some_and(|ms| ms < 1000) {
+                return Err(invalid(key("etcd_lease_ttl_ms"), "must be at least 1000"));
+            }
             if let Some(owners) = p2p.owners.filter(|o| !(1..=3).contains(o)) {
                 return Err(invalid(key("owners"), format!("{owners} outside 1..=3")));
             }
@@ -895,6 +930,12 @@ impl ResolvedConfig {
             peers,
             peers_dns,
             dns_refresh: ms(spec.dns_refresh_ms, defaults.dns_refresh),
+            etcd_endpoints: spec.etcd_endpoints.clone(),
+            etcd_prefix: spec
+                .etcd_prefix
+                .clone()
+                .unwrap_or_else(|| defaults.etcd_prefix.clone()),
+            etcd_lease_ttl: ms(spec.etcd_lease_ttl_ms, defaults.etcd_lease_ttl),
             advertise,
             owners: spec.owners.unwrap_or(defaults.owners),
             secret,

@@ -390,3 +390,51 @@ fn without_the_obj_feature_an_object_tier_is_an_error_naming_its_entry() {
         Ok(_) => panic!("an object tier started without the feature"),
     }
 }
+
+#[test]
+fn p2p_etcd_settings_resolve_and_bad_ones_are_named() {
+    let p2p = |fields: &str| {
+        format!(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{{ type = \"p2p\", \
+             listen = \"127.0.0.1:7071\"{fields} }}]\n"
+        )
+    };
+    let good = p2p(
+        ", etcd_endpoints = [\"http://10.0.0.5:2379\", \"https://etcd.local:2379/\"], \
+         etcd_prefix = \"/kv/a/\", etcd_lease_ttl_ms = 5000",
+    );
+    let r = ConnectorConfig::from_toml_str(&good)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let TierSpec::P2p(spec) = &r.tiers[0] else {
+        panic!("expected a p2p tier");
+    };
+    assert_eq!(spec.etcd_endpoints.len(), 2);
+    assert_eq!(spec.etcd_prefix.as_deref(), Some("/kv/a/"));
+    assert_eq!(
+        invalid_key(&p2p(", etcd_endpoints = [\"10.0.0.5:2379\"]")),
+        "secondary_tiers[0].etcd_endpoints[0]"
+    );
+    assert_eq!(
+        invalid_key(&p2p(", etcd_endpoints = [\"http://\"]")),
+        "secondary_tiers[0].etcd_endpoints[0]"
+    );
+    assert_eq!(
+        invalid_key(&p2p(
+            ", etcd_endpoints = [\"http://e:2379\"], peers = [\"127.0.0.1:7000\"]"
+        )),
+        "secondary_tiers[0].etcd_endpoints"
+    );
+    assert_eq!(
+        invalid_key(&p2p(
+            ", etcd_endpoints = [\"http://e:2379\"], etcd_prefix = \"\""
+        )),
+        "secondary_tiers[0].etcd_prefix"
+    );
+    assert_eq!(
+        invalid_key(&p2p(
+            ", etcd_endpoints = [\"http://e:2379\"], etcd_lease_ttl_ms = 999"
+        )),
+        "secondary_tiers[0].etcd_lease_ttl_ms"
+    );
+}
