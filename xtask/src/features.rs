@@ -1,7 +1,9 @@
 //! Which Cargo features `cargo xtask ci` builds: all of them where the machine has what they need
-//! at build time, else all but those, named loudly. Today one feature has such a need: tier-p2p's
-//! `nixl`, whose nixl-sys build script runs bindgen, which loads libclang (`bash .ci/run` installs
-//! it, so CI always builds every feature; a fresh machine without it still runs the rest).
+//! at build time, else all but those, named loudly. Two features have such a need: tier-p2p's
+//! `nixl`, whose nixl-sys build script runs bindgen, which loads libclang, and tier-p2p's `etcd`,
+//! whose etcd-client build script compiles etcd's .proto files with `protoc` (`bash .ci/run`
+//! installs both, so CI always builds every feature; a fresh machine without them still runs
+//! the rest).
 
 use std::path::{Path, PathBuf};
 
@@ -11,6 +13,17 @@ use crate::Error;
 
 /// `(package, feature)` pairs that need libclang at build time.
 pub const NEEDS_LIBCLANG: &[(&str, &str)] = &[("tier-p2p", "nixl")];
+/// `(package, feature)` pairs that need `protoc` at build time.
+pub const NEEDS_PROTOC: &[(&str, &str)] = &[("tier-p2p", "etcd")];
+
+/// Whether `protoc` runs (`$PROTOC`, as prost-build reads it, else `protoc` on the PATH).
+pub fn protoc_found() -> bool {
+    let protoc = std::env::var_os("PROTOC").unwrap_or_else(|| "protoc".into());
+    std::process::Command::new(protoc)
+        .arg("--version")
+        .output()
+        .is_ok_and(|out| out.status.success())
+}
 
 /// What `cargo` should be given to select features.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,10 +107,24 @@ pub fn features_except(metadata: &Value, excluded: &[(&str, &str)]) -> Result<Ve
     Ok(selected)
 }
 
-/// The feature selection for this machine: `--all-features` when libclang is found, else every
-/// feature but [`NEEDS_LIBCLANG`] (and what enables them).
+/// The feature selection for this machine: `--all-features` when libclang and `protoc` are
+/// found, else every feature but [`NEEDS_LIBCLANG`] and/or [`NEEDS_PROTOC`] (and what enables
+/// them).
 pub fn select(root: &Path) -> Result<Selection, Error> {
-    if find_libclang().is_some() {
+    let mut excluded: Vec<(&str, &str)> = Vec::new();
+    let mut reasons = Vec::new();
+    if find_libclang().is_none() {
+        excluded.extend_from_slice(NEEDS_LIBCLANG);
+        reasons.push("libclang not found (bindgen needs it; `bash .ci/run` installs libclang-dev)");
+    }
+    if !protoc_found() {
+        excluded.extend_from_slice(NEEDS_PROTOC);
+        reasons.push(
+            "protoc not found (etcd-client's build needs it; `bash .ci/run` installs \
+             protobuf-compiler)",
+        );
+    }
+    if excluded.is_empty() {
         return Ok(Selection {
             args: vec!["--all-features".to_string()],
             left_out: Vec::new(),
@@ -105,15 +132,14 @@ pub fn select(root: &Path) -> Result<Selection, Error> {
         });
     }
     let metadata = crate::layering::Workspace::metadata_json(root)?;
-    let features = features_except(&metadata, NEEDS_LIBCLANG)?;
+    let features = features_except(&metadata, &excluded)?;
     Ok(Selection {
         args: vec!["--features".to_string(), features.join(",")],
-        left_out: NEEDS_LIBCLANG
+        left_out: excluded
             .iter()
             .map(|(pkg, feat)| format!("{pkg}/{feat}"))
             .collect(),
-        reason: "libclang not found (bindgen needs it; `bash .ci/run` installs libclang-dev)"
-            .to_string(),
+        reason: reasons.join("; "),
     })
 }
 
@@ -137,6 +163,25 @@ mod tests {
     }
 
     #[test]
+    fn features_needing_protoc_are_left_out_too() {
+        let metadata = serde_json::json!({
+            "packages": [
+                { "name": "tier-p2p", "features": {
+                    "nixl": ["dep:nixl-sys"], "etcd": ["dep:etcd-client"], "fast": [] } }
+            ]
+        });
+        let both = [NEEDS_LIBCLANG, NEEDS_PROTOC].concat();
+        assert_eq!(
+            features_except(&metadata, &both).unwrap(),
+            ["tier-p2p/fast"]
+        );
+        assert_eq!(
+            features_except(&metadata, NEEDS_PROTOC).unwrap(),
+            ["tier-p2p/fast", "tier-p2p/nixl"]
+        );
+    }
+
+    #[test]
     fn metadata_without_packages_is_an_error() {
         let err = features_except(&serde_json::json!({}), NEEDS_LIBCLANG).unwrap_err();
         assert!(err.to_string().contains("packages"), "{err}");
@@ -149,12 +194,21 @@ mod tests {
             assert!(selection.left_out.is_empty());
         } else {
             assert_eq!(selection.args[0], "--features");
-            assert!(
-                !selection.args[1].contains("tier-p2p/nixl"),
-                "{selection:?}"
-            );
+            for left_out in &selection.left_out {
+                assert!(
+                    !selection.args[1].contains(left_out.as_str()),
+                    "{selection:?}"
+                );
+            }
             assert!(selection.args[1].contains("connector/"), "{selection:?}");
-            assert_eq!(selection.left_out, ["tier-p2p/nixl"]);
+            let mut expected = Vec::new();
+            if find_libclang().is_none() {
+                expected.push("tier-p2p/nixl");
+            }
+            if !protoc_found() {
+                expected.push("tier-p2p/etcd");
+            }
+            assert_eq!(selection.left_out, expected);
         }
     }
 }

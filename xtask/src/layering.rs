@@ -68,7 +68,13 @@ impl CrateRule {
     }
 }
 
-const TIERS_AND_BELOW: &[&str] = &["offload-core", "tier-gpu", "tier-fs", "tier-p2p"];
+const TIERS_AND_BELOW: &[&str] = &[
+    "offload-core",
+    "tier-gpu",
+    "tier-fs",
+    "tier-p2p",
+    "tier-obj",
+];
 
 /// The layering table: every workspace crate and the workspace crates it may depend on. A crate
 /// missing from this table fails the check until it is added here.

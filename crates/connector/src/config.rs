@@ -147,6 +147,17 @@ pub struct P2pTierSpec {
     /// How often `peers_dns` is resolved again, in milliseconds.
     #[serde(default)]
     pub dns_refresh_ms: Option<u64>,
+    /// Instead of `peers` and `peers_dns`: etcd client URLs (`http://host:2379`); the members
+    /// are those registered under `etcd_prefix`, this instance included (as `advertise`, else
+    /// `listen`, which then needs a fixed port). Needs the connector's `etcd` feature.
+    #[serde(default)]
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key prefix of this group's members (default `/kvtier/p2p/members/`).
+    #[serde(default)]
+    pub etcd_prefix: Option<String>,
+    /// The registration's lease time to live in milliseconds (default 10000, at least 1000).
+    #[serde(default)]
+    pub etcd_lease_ttl_ms: Option<u64>,
     /// How peers name this instance, as `host:port`, when that is not `listen`.
     #[serde(default)]
     pub advertise: Option<String>,
@@ -167,6 +178,105 @@ pub struct P2pTierSpec {
     pub fetch_deadline_ms: Option<u64>,
 }
 
+/// An object-store tier entry (`type = "obj"`). Credentials are not part of the file: S3 reads
+/// them (and anything left unset here) from the usual `AWS_*` environment variables.
+///
+/// There is no capacity key: the object tier does not evict (a bucket's own lifecycle rules
+/// bound its size).
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjTierSpec {
+    /// Where the objects live: `s3://bucket`, `file:///absolute/dir` (object_store's local
+    /// file-system backend) or `memory:` (this process only; for tests).
+    pub url: String,
+    /// The key prefix under which this tier's namespaces live (default: none).
+    #[serde(default)]
+    pub prefix: String,
+    /// For S3-compatible servers (MinIO, ...): their endpoint URL.
+    #[serde(default)]
+    pub endpoint: Option<String>,
+    /// The S3 region (default: `AWS_REGION`, else `us-east-1`).
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Allow a plain `http://` endpoint (default false: HTTPS only).
+    #[serde(default)]
+    pub allow_http: bool,
+    /// Object requests in flight at once (default 16).
+    #[serde(default)]
+    pub requests_in_flight_max: Option<usize>,
+    /// Jobs accepted at once (default 64).
+    #[serde(default)]
+    pub jobs_in_flight_max: Option<usize>,
+    /// Deadline of one object request, in milliseconds (default 30000).
+    #[serde(default)]
+    pub request_deadline_ms: Option<u64>,
+    /// Deadline of the start-up listing, in milliseconds (default 60000).
+    #[serde(default)]
+    pub list_deadline_ms: Option<u64>,
+    /// Records larger than this go up in parts (default 8 MiB).
+    #[serde(default)]
+    pub multipart_threshold_bytes: Option<usize>,
+    /// Bytes per part (default 8 MiB; S3 needs at least 5 MiB).
+    #[serde(default)]
+    pub part_bytes: Option<usize>,
+}
+
+/// Where an [`ObjTierSpec`]'s `url` points.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ObjLocation {
+    /// `s3://bucket`.
+    S3 {
+        /// The bucket.
+        bucket: String,
+    },
+    /// `file:///dir`.
+    Local {
+        /// The directory.
+        root: PathBuf,
+    },
+    /// `memory:`.
+    Memory,
+}
+
+impl ObjTierSpec {
+    /// Parses `url`; the error says what is wrong with it.
+    pub fn location(&self) -> Result<ObjLocation, String> {
+        let url = self.url.as_str();
+        if url == "memory:" || url == "memory://" {
+            return Ok(ObjLocation::Memory);
+        }
+        if let Some(rest) = url.strip_prefix("s3://") {
+            let bucket = rest.strip_suffix('/').unwrap_or(rest);
+            let ok = (3..=63).contains(&bucket.len())
+                && bucket
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b));
+            if !ok {
+                return Err(format!(
+                    "{url:?}: the bucket must be 3-63 lower-case letters, digits, '-' or '.', \
+                     with nothing after it"
+                ));
+            }
+            return Ok(ObjLocation::S3 {
+                bucket: bucket.to_owned(),
+            });
+        }
+        if let Some(path) = url.strip_prefix("file://") {
+            if !path.starts_with('/') || path.len() < 2 {
+                return Err(format!(
+                    "{url:?}: a file URL needs an absolute directory (file:///dir)"
+                ));
+            }
+            return Ok(ObjLocation::Local {
+                root: PathBuf::from(path),
+            });
+        }
+        Err(format!(
+            "{url:?}: expected s3://bucket, file:///dir or memory:"
+        ))
+    }
+}
+
 /// One `secondary_tiers` entry.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(tag = "type")]
@@ -177,6 +287,9 @@ pub enum TierSpec {
     /// The peer tier.
     #[serde(rename = "p2p")]
     P2p(P2pTierSpec),
+    /// The object-store tier.
+    #[serde(rename = "obj")]
+    Obj(ObjTierSpec),
 }
 
 fn yes() -> bool {
@@ -472,6 +585,30 @@ fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigEr
                     "set together with `peers`; pick one",
                 ));
             }
+            if !p2p.etcd_endpoints.is_empty() && (p2p.peers_dns.is_some() || !p2p.peers.is_empty())
+            {
+                return Err(invalid(
+                    key("etcd_endpoints"),
+                    "set together with `peers` or `peers_dns`; pick one",
+                ));
+            }
+            for (j, url) in p2p.etcd_endpoints.iter().enumerate() {
+                let rest = url
+                    .strip_prefix("http://")
+                    .or_else(|| url.strip_prefix("https://"));
+                if rest.is_none_or(|r| host_port(r.trim_end_matches('/')).is_err()) {
+                    return Err(invalid(
+                        key(&format!("etcd_endpoints[{j}]")),
+                        format!("{url:?} is not http://host:port or https://host:port"),
+                    ));
+                }
+            }
+            if p2p.etcd_prefix.as_deref() == Some("") {
+                return Err(invalid(key("etcd_prefix"), "must not be empty"));
+            }
+            if p2p.etcd_lease_ttl_ms.is_some_and(|ms| ms < 1000) {
+                return Err(invalid(key("etcd_lease_ttl_ms"), "must be at least 1000"));
+            }
             if let Some(owners) = p2p.owners.filter(|o| !(1..=3).contains(o)) {
                 return Err(invalid(key("owners"), format!("{owners} outside 1..=3")));
             }
@@ -493,6 +630,61 @@ fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigEr
                     format!("less than one chunk ({slot_bytes} bytes)"),
                 ));
             }
+        }
+        TierSpec::Obj(obj) => check_obj(&key, obj)?,
+    }
+    Ok(())
+}
+
+fn check_obj(key: &dyn Fn(&str) -> String, obj: &ObjTierSpec) -> Result<(), ConfigError> {
+    let location = obj.location().map_err(|e| invalid(key("url"), e))?;
+    if !matches!(location, ObjLocation::S3 { .. }) {
+        for (field, set) in [
+            ("endpoint", obj.endpoint.is_some()),
+            ("region", obj.region.is_some()),
+            ("allow_http", obj.allow_http),
+        ] {
+            if set {
+                return Err(invalid(key(field), "applies only to an s3:// url"));
+            }
+        }
+    }
+    if let Some(endpoint) = &obj.endpoint {
+        let http = endpoint.starts_with("http://");
+        if !http && !endpoint.starts_with("https://") {
+            return Err(invalid(
+                key("endpoint"),
+                format!("{endpoint:?} is not an http:// or https:// URL"),
+            ));
+        }
+        if http && !obj.allow_http {
+            return Err(invalid(
+                key("endpoint"),
+                format!("{endpoint:?} is plain HTTP; set allow_http = true to use it"),
+            ));
+        }
+    }
+    if obj.prefix.starts_with('/') || obj.prefix.split('/').any(|p| p == "..") {
+        return Err(invalid(
+            key("prefix"),
+            format!("{:?} must be relative, without '..'", obj.prefix),
+        ));
+    }
+    for (field, v) in [
+        ("requests_in_flight_max", obj.requests_in_flight_max),
+        ("jobs_in_flight_max", obj.jobs_in_flight_max),
+        ("part_bytes", obj.part_bytes),
+    ] {
+        if v == Some(0) {
+            return Err(invalid(key(field), "must be at least 1"));
+        }
+    }
+    for (field, v) in [
+        ("request_deadline_ms", obj.request_deadline_ms),
+        ("list_deadline_ms", obj.list_deadline_ms),
+    ] {
+        if v == Some(0) {
+            return Err(invalid(key(field), "must be at least 1"));
         }
     }
     Ok(())
@@ -558,7 +750,76 @@ impl ResolvedConfig {
         match spec {
             TierSpec::Fs(fs) => self.start_fs(key, fs, memory),
             TierSpec::P2p(p2p) => self.start_p2p(key, p2p, memory),
+            TierSpec::Obj(obj) => self.start_obj(key, obj, memory),
         }
+    }
+
+    #[cfg(feature = "obj")]
+    fn start_obj(
+        &self,
+        key: String,
+        spec: &ObjTierSpec,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        use std::time::Duration;
+        use tier_obj::{Backend, NamespaceId, ObjTierConfig, S3Config};
+        let bad = |field: &str, reason: String| invalid(format!("{key}.{field}"), reason);
+        let backend = match spec.location().map_err(|e| bad("url", e))? {
+            ObjLocation::Memory => Backend::Memory,
+            ObjLocation::Local { root } => Backend::Local { root },
+            ObjLocation::S3 { bucket } => Backend::S3(S3Config {
+                bucket: Some(bucket),
+                endpoint: spec.endpoint.clone(),
+                region: spec.region.clone(),
+                allow_http: spec.allow_http,
+                ..S3Config::default()
+            }),
+        };
+        let e = &self.engine;
+        let namespace = NamespaceId {
+            model: e.model.clone(),
+            dtype: e.dtype.clone(),
+            tokens_per_chunk: self.scheduler.tokens_per_block * self.scheduler.blocks_per_chunk,
+            parallel_layout: e.parallel_layout.clone(),
+        };
+        let defaults = ObjTierConfig::new(spec.prefix.clone(), namespace);
+        let ms = |v: Option<u64>, d: Duration| v.map_or(d, Duration::from_millis);
+        let config = ObjTierConfig {
+            requests_in_flight_max: spec
+                .requests_in_flight_max
+                .unwrap_or(defaults.requests_in_flight_max),
+            jobs_in_flight_max: spec
+                .jobs_in_flight_max
+                .unwrap_or(defaults.jobs_in_flight_max),
+            request_deadline: ms(spec.request_deadline_ms, defaults.request_deadline),
+            list_deadline: ms(spec.list_deadline_ms, defaults.list_deadline),
+            multipart_threshold_bytes: spec
+                .multipart_threshold_bytes
+                .unwrap_or(defaults.multipart_threshold_bytes),
+            part_bytes: spec.part_bytes.unwrap_or(defaults.part_bytes),
+            ..defaults
+        };
+        let failed = |e: tier_obj::ObjError| ConfigError::Tier {
+            key: key.clone(),
+            reason: e.to_string(),
+        };
+        let store = backend.open().map_err(failed)?;
+        let tier = tier_obj::ObjTier::start(config, store, memory).map_err(failed)?;
+        Ok(Box::new(tier))
+    }
+
+    #[cfg(not(feature = "obj"))]
+    fn start_obj(
+        &self,
+        key: String,
+        _: &ObjTierSpec,
+        _: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        Err(ConfigError::Tier {
+            key,
+            reason: "this build has no object tier (enable the connector's `obj` feature)"
+                .to_owned(),
+        })
     }
 
     #[cfg(feature = "fs")]
@@ -669,6 +930,12 @@ impl ResolvedConfig {
             peers,
             peers_dns,
             dns_refresh: ms(spec.dns_refresh_ms, defaults.dns_refresh),
+            etcd_endpoints: spec.etcd_endpoints.clone(),
+            etcd_prefix: spec
+                .etcd_prefix
+                .clone()
+                .unwrap_or_else(|| defaults.etcd_prefix.clone()),
+            etcd_lease_ttl: ms(spec.etcd_lease_ttl_ms, defaults.etcd_lease_ttl),
             advertise,
             owners: spec.owners.unwrap_or(defaults.owners),
             secret,

@@ -248,3 +248,193 @@ fn p2p_peers_may_be_names_and_bad_ones_are_named_with_their_value() {
         "secondary_tiers[0].peers_dns"
     );
 }
+
+/// One `type = "obj"` entry with `fields` after its url.
+fn obj_config(url: &str, fields: &str) -> String {
+    format!(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{{ type = \"obj\", \
+         url = {url:?}{fields} }}]\n"
+    )
+}
+
+#[test]
+fn an_object_tier_entry_resolves_with_its_settings() {
+    let text = obj_config(
+        "s3://kv-cache.bucket",
+        ", prefix = \"kv/a\", endpoint = \"http://127.0.0.1:9000\", allow_http = true, \
+         region = \"eu-west-1\", requests_in_flight_max = 8, jobs_in_flight_max = 32, \
+         request_deadline_ms = 5000, list_deadline_ms = 9000, multipart_threshold_bytes = \
+         16777216, part_bytes = 8388608",
+    );
+    let r = ConnectorConfig::from_toml_str(&text)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let TierSpec::Obj(obj) = &r.tiers[0] else {
+        panic!("expected an obj tier, got {:?}", r.tiers[0]);
+    };
+    assert_eq!(
+        obj.location(),
+        Ok(connector::config::ObjLocation::S3 {
+            bucket: "kv-cache.bucket".to_owned()
+        })
+    );
+    assert_eq!(obj.prefix, "kv/a");
+    assert_eq!(obj.requests_in_flight_max, Some(8));
+    assert_eq!(obj.request_deadline_ms, Some(5000));
+    for url in ["file:///var/kv", "memory:"] {
+        assert!(ConnectorConfig::from_toml_str(&obj_config(url, ""))
+            .and_then(|c| c.resolve(&engine()))
+            .is_ok());
+    }
+}
+
+#[test]
+fn bad_object_tier_values_are_named() {
+    let key = |url: &str, fields: &str| invalid_key(&obj_config(url, fields));
+    for url in [
+        "ftp://x",
+        "s3://",
+        "s3://Upper",
+        "s3://bucket/path",
+        "file://relative",
+        "",
+    ] {
+        assert_eq!(key(url, ""), "secondary_tiers[0].url", "url {url:?}");
+    }
+    let msg = error(&obj_config("ftp://x", ""));
+    assert!(
+        msg.contains("ftp://x") && msg.contains("s3://bucket"),
+        "{msg}"
+    );
+    assert_eq!(
+        key("s3://bucket", ", endpoint = \"http://127.0.0.1:9000\""),
+        "secondary_tiers[0].endpoint",
+        "plain HTTP needs allow_http"
+    );
+    assert_eq!(
+        key("s3://bucket", ", endpoint = \"127.0.0.1:9000\""),
+        "secondary_tiers[0].endpoint"
+    );
+    assert_eq!(
+        key("file:///kv", ", endpoint = \"https://x\""),
+        "secondary_tiers[0].endpoint"
+    );
+    assert_eq!(
+        key("memory:", ", allow_http = true"),
+        "secondary_tiers[0].allow_http"
+    );
+    assert_eq!(
+        key("s3://bucket", ", prefix = \"/abs\""),
+        "secondary_tiers[0].prefix"
+    );
+    assert_eq!(
+        key("s3://bucket", ", prefix = \"a/../b\""),
+        "secondary_tiers[0].prefix"
+    );
+    for field in [
+        "requests_in_flight_max",
+        "jobs_in_flight_max",
+        "part_bytes",
+        "request_deadline_ms",
+        "list_deadline_ms",
+    ] {
+        assert_eq!(
+            key("s3://bucket", &format!(", {field} = 0")),
+            format!("secondary_tiers[0].{field}")
+        );
+    }
+    // No capacity key: the object tier does not evict.
+    let msg = error(&obj_config("s3://bucket", ", capacity_bytes = 1048576"));
+    assert!(msg.contains("capacity_bytes"), "{msg}");
+}
+
+#[cfg(feature = "obj")]
+#[test]
+fn a_resolved_config_starts_its_object_tier() {
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().expect("temp dir");
+    for url in [
+        format!("file://{}", dir.path().display()),
+        "memory:".to_owned(),
+    ] {
+        let resolved = ConnectorConfig::from_toml_str(&obj_config(&url, ", prefix = \"kv\""))
+            .and_then(|c| c.resolve(&engine()))
+            .expect("valid");
+        let memory = Arc::new(tier_testkit::VecSlotMemory::new(
+            resolved.pool.slot_count,
+            resolved.slot_bytes as usize,
+        ));
+        let manager = resolved.build_manager(memory, true).expect("starts");
+        assert_eq!(manager.tier_count(), 1);
+        assert_eq!(manager.tier_name(0), Some("obj"), "{url}");
+    }
+}
+
+#[cfg(not(feature = "obj"))]
+#[test]
+fn without_the_obj_feature_an_object_tier_is_an_error_naming_its_entry() {
+    use std::sync::Arc;
+    let resolved = ConnectorConfig::from_toml_str(&obj_config("memory:", ""))
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let memory = Arc::new(tier_testkit::VecSlotMemory::new(
+        resolved.pool.slot_count,
+        resolved.slot_bytes as usize,
+    ));
+    match resolved.build_manager(memory, true) {
+        Err(ConfigError::Tier { key, reason }) => {
+            assert_eq!(key, "secondary_tiers[0]");
+            assert!(reason.contains("`obj` feature"), "{reason}");
+        }
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("an object tier started without the feature"),
+    }
+}
+
+#[test]
+fn p2p_etcd_settings_resolve_and_bad_ones_are_named() {
+    let p2p = |fields: &str| {
+        format!(
+            "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{{ type = \"p2p\", \
+             listen = \"127.0.0.1:7071\"{fields} }}]\n"
+        )
+    };
+    let good = p2p(
+        ", etcd_endpoints = [\"http://10.0.0.5:2379\", \"https://etcd.local:2379/\"], \
+         etcd_prefix = \"/kv/a/\", etcd_lease_ttl_ms = 5000",
+    );
+    let r = ConnectorConfig::from_toml_str(&good)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let TierSpec::P2p(spec) = &r.tiers[0] else {
+        panic!("expected a p2p tier");
+    };
+    assert_eq!(spec.etcd_endpoints.len(), 2);
+    assert_eq!(spec.etcd_prefix.as_deref(), Some("/kv/a/"));
+    assert_eq!(
+        invalid_key(&p2p(", etcd_endpoints = [\"10.0.0.5:2379\"]")),
+        "secondary_tiers[0].etcd_endpoints[0]"
+    );
+    assert_eq!(
+        invalid_key(&p2p(", etcd_endpoints = [\"http://\"]")),
+        "secondary_tiers[0].etcd_endpoints[0]"
+    );
+    assert_eq!(
+        invalid_key(&p2p(
+            ", etcd_endpoints = [\"http://e:2379\"], peers = [\"127.0.0.1:7000\"]"
+        )),
+        "secondary_tiers[0].etcd_endpoints"
+    );
+    assert_eq!(
+        invalid_key(&p2p(
+            ", etcd_endpoints = [\"http://e:2379\"], etcd_prefix = \"\""
+        )),
+        "secondary_tiers[0].etcd_prefix"
+    );
+    assert_eq!(
+        invalid_key(&p2p(
+            ", etcd_endpoints = [\"http://e:2379\"], etcd_lease_ttl_ms = 999"
+        )),
+        "secondary_tiers[0].etcd_lease_ttl_ms"
+    );
+}

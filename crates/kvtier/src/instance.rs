@@ -211,7 +211,7 @@ pub fn build(
         .map_err(|e| e.to_string())
 }
 
-/// Names of the secondary tiers a configuration lists (`fs`, `p2p`), in order.
+/// Names of the secondary tiers a configuration lists (`fs`, `p2p`, `obj`), in order.
 pub fn tier_kinds(config: &ConnectorConfig) -> Vec<&'static str> {
     config
         .secondary_tiers
@@ -219,6 +219,7 @@ pub fn tier_kinds(config: &ConnectorConfig) -> Vec<&'static str> {
         .map(|t| match t {
             TierSpec::Fs(_) => "fs",
             TierSpec::P2p(_) => "p2p",
+            TierSpec::Obj(_) => "obj",
         })
         .collect()
 }

@@ -214,6 +214,8 @@ pub fn config_for_instance(base: &ConnectorConfig, i: usize, ports: [u16; 2]) ->
                     }
                 }
             },
+            // Both instances share the object store: content-addressed objects, no lock.
+            TierSpec::Obj(_) => {}
         }
     }
     config

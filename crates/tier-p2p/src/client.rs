@@ -109,6 +109,10 @@ enum Stop {
     Cancelled,
     /// The peer failed.
     Failed(P2pError),
+    /// The job stopped while a NIXL READ into its slots was under way, and NIXL still called
+    /// the READ active after the stop grace: the job is parked until NIXL ends it.
+    #[cfg(feature = "nixl")]
+    Stuck(crate::nixl::StuckRead),
 }
 
 impl From<P2pError> for Stop {
@@ -142,6 +146,10 @@ pub(crate) struct Client {
     commands: Receiver<ClientCommand>,
     /// The command taken from `commands` ahead of its turn (to send its GET early), run next.
     next: Option<ClientCommand>,
+    /// Load jobs parked behind a stuck NIXL READ (their slots quarantined), bounded by the
+    /// tier's jobs in flight.
+    #[cfg(feature = "nixl")]
+    parked: Vec<nixl_fetch::Parked>,
 }
 
 impl Client {
@@ -172,6 +180,8 @@ impl Client {
             scratch: Vec::new(),
             commands,
             next: None,
+            #[cfg(feature = "nixl")]
+            parked: Vec::new(),
         };
         client.refresh_members();
         client
@@ -254,7 +264,11 @@ impl Client {
 
     /// The slots of `key`'s owners among the current members.
     fn owners_of(&self, key: ChunkKey) -> impl Iterator<Item = usize> + '_ {
-        owners(key, &self.member_ids, self.shared.config.owners)
+        let n = match self.shared.config.owners {
+            0 => self.member_ids.len(),
+            n => n,
+        };
+        owners(key, &self.member_ids, n)
             .into_iter()
             .map(|m| self.members[m])
     }
@@ -262,11 +276,16 @@ impl Client {
     /// The worker's loop; returns when the tier drops its sender.
     pub(crate) fn run(mut self, done: &Sender<TierCompletion>, answers: &Sender<LookupAnswer>) {
         loop {
+            #[cfg(feature = "nixl")]
+            if !self.unpark(done) {
+                break;
+            }
             let command = match self.next.take() {
                 Some(command) => command,
-                None => match self.commands.recv() {
-                    Ok(command) => command,
-                    Err(_) => break,
+                None => match self.next_command() {
+                    Ok(Some(command)) => command,
+                    Ok(None) => continue,
+                    Err(()) => break,
                 },
             };
             if !self.control.shutting_down() {
@@ -278,7 +297,11 @@ impl Client {
                     answers.send(LookupAnswer { keys, holders }).is_ok()
                 }
                 ClientCommand::Lookup(keys) => answers.send(self.lookup(keys)).is_ok(),
-                ClientCommand::Load(work) => done.send(self.load(&work)).is_ok(),
+                ClientCommand::Load(work) => match self.load(&work) {
+                    Some(completion) => done.send(completion).is_ok(),
+                    // Parked behind a stuck NIXL READ: completed by `unpark`.
+                    None => true,
+                },
                 ClientCommand::Push(keys) => {
                     if !self.control.shutting_down() {
                         self.push(&keys);
@@ -294,6 +317,22 @@ impl Client {
         for p in 0..self.peers.len() {
             self.disconnect(p);
         }
+        #[cfg(feature = "nixl")]
+        self.abandon_parked(done);
+    }
+
+    /// The next command: waits for one, or (with jobs parked behind stuck NIXL READs) for at
+    /// most a short while, so that they are checked again (`Ok(None)`). `Err`: the tier is gone.
+    fn next_command(&self) -> Result<Option<ClientCommand>, ()> {
+        #[cfg(feature = "nixl")]
+        if !self.parked.is_empty() {
+            return match self.commands.recv_timeout(nixl_fetch::PARKED_CHECK) {
+                Ok(command) => Ok(Some(command)),
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(None),
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(()),
+            };
+        }
+        self.commands.recv().map(Some).map_err(|_| ())
     }
 
     /// Asks the owners of `keys` which they hold: one HAVE per owner and batch (at most
@@ -393,12 +432,14 @@ impl Client {
 
     /// Runs a load job: local copies, then GETs to the peers (those a lookup named first) until
     /// every chunk is loaded, the job is cancelled, or its deadline passes.
-    fn load(&mut self, work: &Work) -> TierCompletion {
+    fn load(&mut self, work: &Work) -> Option<TierCompletion> {
         let mut done: Vec<bool> = work
             .chunks
             .iter()
             .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
             .collect();
+        #[cfg(feature = "nixl")]
+        let mut stuck = None;
         for p in self.peer_order(work, &done) {
             if done.iter().all(|&d| d) || self.control.stopped(work.id) {
                 break;
@@ -414,6 +455,12 @@ impl Client {
                     break;
                 }
                 Err(Stop::Failed(error)) => self.fail(p, &error),
+                #[cfg(feature = "nixl")]
+                Err(Stop::Stuck(read)) => {
+                    self.disconnect(p);
+                    stuck = Some((p, read));
+                    break;
+                }
             }
         }
         // A GET sent ahead for this job and not read (it stopped or ran out of time first): its
@@ -427,6 +474,11 @@ impl Client {
                 self.disconnect(p);
             }
         }
+        #[cfg(feature = "nixl")]
+        if let Some((p, read)) = stuck {
+            self.park(p, work, &done, read);
+            return None;
+        }
         let failed: Vec<ChunkKey> = work
             .chunks
             .iter()
@@ -434,10 +486,10 @@ impl Client {
             .filter(|(_, &d)| !d)
             .map(|(&(key, _, _), _)| key)
             .collect();
-        TierCompletion {
+        Some(TierCompletion {
             id: work.id,
             failed,
-        }
+        })
     }
 
     /// Peers in the order to try for `work`: those named by lookups for missing chunks (most

@@ -2,21 +2,45 @@
 //! the peer's TCP connection, a NIXL READ of the offered chunks straight into the job's host
 //! slots, NIXL_DONE, then the checksum of every chunk before it counts. A peer that offers no
 //! NIXL, or a READ that NIXL refuses, makes this connection use the TCP GET instead.
+//!
+//! A READ whose job stops (cancel, shutdown, deadline) is released only once NIXL says it is
+//! over (see `settle.rs`). One that NIXL still calls active after the stop grace parks its job:
+//! the job's slots are quarantined (it completes only when NIXL ends the READ, checked between
+//! commands; if that never happens, never), so the host pool cannot hand out a slot that a NIC
+//! may still write.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use offload_core::SlotId;
+use crossbeam_channel::Sender;
+use offload_core::tier::TierCompletion;
+use offload_core::{ChunkKey, JobId, SlotId};
 
 use super::{Client, Stop};
 use crate::error::P2pError;
 use crate::frame::{Frame, FrameError, FrameKind, NixlChunk};
-use crate::nixl::{ReadEnd, ReadPair};
+use crate::nixl::{ReadEnd, ReadPair, StuckRead};
 use crate::shared::log;
 use crate::stats::add;
 use crate::worker::Work;
 
 /// Most keys in one NIXL_GET, so that an offer (metadata grows with its chunks) stays small.
 const NIXL_KEYS_PER_REQUEST: usize = 64;
+
+/// How often the client worker checks its parked jobs' READs while it waits for commands.
+pub(super) const PARKED_CHECK: Duration = Duration::from_millis(10);
+
+/// A load job parked behind a READ that outlived the stop grace.
+#[derive(Debug)]
+pub(super) struct Parked {
+    job: JobId,
+    /// The job's keys not loaded (all of them fail when it completes).
+    failed: Vec<ChunkKey>,
+    read: StuckRead,
+    peer: SocketAddr,
+    since: Instant,
+}
 
 /// NIXL state of one peer's current connection.
 #[derive(Debug, Default)]
@@ -115,6 +139,7 @@ impl Client {
                     }))
                 }
                 Err(ReadEnd::Failed(reason)) => return self.nixl_fallback(p, &reason),
+                Err(ReadEnd::Stuck(read)) => return Err(Stop::Stuck(read)),
             }
         }
         // Drop the peer's metadata after each batch, so that what this agent holds about a peer
@@ -255,5 +280,95 @@ impl Client {
         self.peers[p].nixl.off = true;
         self.conn(p).send(&Frame::NixlDone, "send NIXL_DONE")?;
         Ok(false)
+    }
+
+    /// Parks `work` behind its stuck READ from peer `p`: its slots stay the job's (quarantined)
+    /// until NIXL ends the READ. Counted and logged.
+    pub(super) fn park(&mut self, p: usize, work: &Work, done: &[bool], read: StuckRead) {
+        let failed: Vec<ChunkKey> = work
+            .chunks
+            .iter()
+            .zip(done)
+            .filter(|(_, &d)| !d)
+            .map(|(&(key, _, _), _)| key)
+            .collect();
+        let slots: Vec<u32> = work
+            .chunks
+            .iter()
+            .zip(done)
+            .filter(|(_, &d)| !d)
+            .map(|(&(_, slot, _), _)| slot.0)
+            .collect();
+        add(&self.shared.counters.nixl_reads_quarantined, 1);
+        self.control.set_quarantined(work.id, true);
+        let peer = self.peers[p].addr;
+        log(format_args!(
+            "job {}: NIXL READ from peer {peer} still active {:?} after the job stopped; \
+             slots {slots:?} quarantined until NIXL ends it",
+            work.id.0,
+            crate::nixl::STOP_GRACE
+        ));
+        self.parked.push(Parked {
+            job: work.id,
+            failed,
+            read,
+            peer,
+            since: Instant::now(),
+        });
+    }
+
+    /// Completes the parked jobs whose READ NIXL has ended (releasing it); `false` if the tier
+    /// is gone.
+    pub(super) fn unpark(&mut self, done: &Sender<TierCompletion>) -> bool {
+        let Some(plane) = self.shared.nixl.get() else {
+            return true;
+        };
+        let mut i = 0;
+        while i < self.parked.len() {
+            if !plane.ended(&self.parked[i].read) {
+                i += 1;
+                continue;
+            }
+            let parked = self.parked.swap_remove(i);
+            // Over: dropping the request releases it in NIXL.
+            drop(parked.read);
+            add(&self.shared.counters.nixl_reads_unquarantined, 1);
+            self.control.set_quarantined(parked.job, false);
+            log(format_args!(
+                "job {}: NIXL READ from peer {} ended {:?} after it was quarantined; slots freed",
+                parked.job.0,
+                parked.peer,
+                parked.since.elapsed()
+            ));
+            let completion = TierCompletion {
+                id: parked.job,
+                failed: parked.failed,
+            };
+            if done.send(completion).is_err() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// At the worker's exit: completes the parked jobs whose READ ended; the others stay
+    /// uncompleted, and their READs, slot registrations and the slot memory are leaked on
+    /// purpose, so that nothing a NIC may still write is ever freed or released.
+    pub(super) fn abandon_parked(&mut self, done: &Sender<TierCompletion>) {
+        // A `false` (the tier is gone) loses nothing: its completions go with it.
+        let _ = self.unpark(done);
+        if self.parked.is_empty() {
+            return;
+        }
+        for parked in self.parked.drain(..) {
+            log(format_args!(
+                "job {}: NIXL READ from peer {} still active at shutdown; its slots stay \
+                 quarantined and the request is never released",
+                parked.job.0, parked.peer
+            ));
+            parked.read.abandon();
+        }
+        std::mem::forget(std::mem::take(&mut self.slot_registrations));
+        std::mem::forget(Arc::clone(&self.memory));
     }
 }

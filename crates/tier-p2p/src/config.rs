@@ -61,11 +61,20 @@ pub struct P2pConfig {
     pub peers_dns: Option<PeerAddr>,
     /// How often `peers_dns` is resolved again.
     pub dns_refresh: Duration,
+    /// Instead of `peers` and `peers_dns` (feature `etcd`): etcd client URLs; the members are
+    /// those registered under `etcd_prefix` (`EtcdPeers`), this instance
+    /// among them, registered as `advertise`, else as `listen` (which then needs a fixed port).
+    pub etcd_endpoints: Vec<String>,
+    /// The etcd key prefix of this group's members.
+    pub etcd_prefix: String,
+    /// The registration's lease time to live (a dead member leaves after it).
+    pub etcd_lease_ttl: Duration,
     /// How peers name this instance, when that is not `listen` (a DNS name, or the address
     /// behind a NAT): a member equal to it or to the bound address is this instance.
     pub advertise: Option<PeerAddr>,
     /// How many members own each key (1 to 3): lookups ask only a key's owners, and a publish
-    /// also pushes the chunk to them.
+    /// also pushes the chunk to them. 0: every member owns every key (lookups ask all members,
+    /// nothing is pushed), the reference that owner lookups are measured against.
     pub owners: usize,
     /// Most members taken from the directory (more are ignored, with a log line).
     pub members_max: usize,
@@ -116,6 +125,8 @@ impl fmt::Debug for P2pConfig {
             .field("listen", &self.listen)
             .field("peers", &self.peers)
             .field("peers_dns", &self.peers_dns)
+            .field("etcd_endpoints", &self.etcd_endpoints)
+            .field("etcd_prefix", &self.etcd_prefix)
             .field("advertise", &self.advertise)
             .field("owners", &self.owners)
             .field("namespace", &self.namespace)
@@ -138,6 +149,9 @@ impl P2pConfig {
             peers: Vec::new(),
             peers_dns: None,
             dns_refresh: Duration::from_secs(5),
+            etcd_endpoints: Vec::new(),
+            etcd_prefix: "/kvtier/p2p/members/".to_owned(),
+            etcd_lease_ttl: Duration::from_secs(10),
             advertise: None,
             owners: 2,
             members_max: 1024,
@@ -159,6 +173,48 @@ impl P2pConfig {
             frame_body_bytes_max: (64 << 20) + DATA_PREFIX_BYTES,
             nixl: true,
         }
+    }
+
+    /// The address this instance registers in etcd: `advertise`, else `listen` if it names a
+    /// fixed address and port.
+    pub fn etcd_member(&self) -> Result<PeerAddr, P2pError> {
+        if let Some(advertise) = &self.advertise {
+            return Ok(advertise.clone());
+        }
+        if self.listen.port() == 0 || self.listen.ip().is_unspecified() {
+            return Err(P2pError::Config {
+                field: "advertise",
+                reason: format!(
+                    "needed with `etcd_endpoints` unless `listen` ({}) has a fixed address and \
+                     port: it is what peers find in etcd",
+                    self.listen
+                ),
+            });
+        }
+        Ok(PeerAddr::Ip(self.listen))
+    }
+
+    fn validate_etcd(&self) -> Result<(), P2pError> {
+        if !self.peers.is_empty() || self.peers_dns.is_some() {
+            return config(
+                "etcd_endpoints",
+                "set together with `peers` or `peers_dns`; pick one".to_owned(),
+            );
+        }
+        if !cfg!(feature = "etcd") {
+            return config(
+                "etcd_endpoints",
+                "this build has no etcd directory (tier-p2p's `etcd` feature)".to_owned(),
+            );
+        }
+        self.etcd_member()?;
+        if self.etcd_prefix.is_empty() {
+            return config("etcd_prefix", "is empty".to_owned());
+        }
+        if self.etcd_lease_ttl < Duration::from_secs(1) {
+            return config("etcd_lease_ttl", "must be at least 1 s".to_owned());
+        }
+        Ok(())
     }
 
     /// Checks every setting against the others and against the host pool's slot size.
@@ -200,8 +256,11 @@ impl P2pConfig {
                 format!("longer than {NAMESPACE_BYTES_MAX} bytes"),
             );
         }
-        if !(1..=3).contains(&self.owners) {
-            return config("owners", format!("{} outside 1..=3", self.owners));
+        if self.owners > 3 {
+            return config(
+                "owners",
+                format!("{} outside 0..=3 (0: all members)", self.owners),
+            );
         }
         if !(1..=u16::MAX as usize).contains(&self.members_max) {
             return config(
@@ -220,6 +279,9 @@ impl P2pConfig {
                 "peers_dns",
                 "set together with `peers`; pick one".to_owned(),
             );
+        }
+        if !self.etcd_endpoints.is_empty() {
+            self.validate_etcd()?;
         }
         let positive: [(&'static str, usize); 5] = [
             ("published_bytes_max", self.published_bytes_max),
@@ -374,6 +436,25 @@ mod tests {
         let mut config = base();
         config.owners = 4;
         assert_eq!(field_of(config.validate(1024)), "owners");
+        let mut config = base();
+        config.owners = 0;
+        assert!(config.validate(1024).is_ok(), "owners 0 means all members");
+        let mut config = base();
+        config.etcd_endpoints = vec!["http://127.0.0.1:2379".to_owned()];
+        config.peers = vec!["127.0.0.1:7000".parse().expect("addr")];
+        assert_eq!(field_of(config.validate(1024)), "etcd_endpoints");
+        let mut config = base();
+        config.etcd_endpoints = vec!["http://127.0.0.1:2379".to_owned()];
+        if cfg!(feature = "etcd") {
+            // listen is 127.0.0.1:0: peers could not reach what would be registered.
+            assert_eq!(field_of(config.validate(1024)), "advertise");
+            config.listen = "127.0.0.1:7071".parse().expect("addr");
+            assert!(config.validate(1024).is_ok());
+            config.etcd_lease_ttl = Duration::from_millis(500);
+            assert_eq!(field_of(config.validate(1024)), "etcd_lease_ttl");
+        } else {
+            assert_eq!(field_of(config.validate(1024)), "etcd_endpoints");
+        }
         let mut config = base();
         config.peers_dns = Some("peers.local:7071".parse().expect("name"));
         config.peers = vec![config.listen.into()];

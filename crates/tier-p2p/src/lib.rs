@@ -14,7 +14,8 @@
 //! Threads, all bounded: one accept thread, one handler per served connection (at most
 //! `connections_max`), one local worker (publishing, local loads) and one client worker that
 //! owns one connection per peer (at most two requests in flight on it: GETs are pipelined one
-//! ahead). No async runtime.
+//! ahead). No async runtime in the data path; the etcd directory (feature `etcd`) runs a
+//! single-threaded tokio runtime on its own thread, since its client is async.
 //!
 //! With the `nixl` feature, a GET's bytes can move by NIXL READ (RDMA or another UCX
 //! transport) while the TCP connection carries the control messages and checksums (module
@@ -30,6 +31,8 @@ pub mod config;
 mod conn;
 mod directory;
 pub mod error;
+#[cfg(feature = "etcd")]
+mod etcd;
 pub mod frame;
 mod handshake;
 mod lookup;
@@ -37,6 +40,7 @@ mod lookup;
 pub mod nixl;
 mod peer;
 mod server;
+mod settle;
 mod shared;
 pub mod stats;
 mod store;
@@ -46,6 +50,8 @@ mod worker;
 pub use config::{Namespace, P2pConfig};
 pub use directory::{member_id, owners, DnsPeers, PeerDirectory, StaticPeers};
 pub use error::{P2pError, P2pErrorKind};
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdPeers, EtcdPeersConfig};
 pub use peer::{ParsePeerAddrError, PeerAddr};
 pub use stats::{P2pStats, PeerStatus};
 pub use store::checksum;

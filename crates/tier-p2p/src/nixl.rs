@@ -18,12 +18,13 @@
 use std::ffi::CString;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use crate::settle::{wait, Posted, TransferState, Waited};
 use crate::shared::log;
 use nixl_sys::{
     Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, RegDescList,
-    RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus,
+    RegistrationHandle, ThreadSync, XferDescList, XferOp, XferRequest, XferStatus,
 };
 
 /// Environment variable naming a folder that holds `libnixl_capi.so` (for example the
@@ -32,10 +33,9 @@ pub const LIB_DIR_ENV: &str = "KVTIER_NIXL_LIB_DIR";
 
 /// The NIXL backend plugin the data plane uses.
 const BACKEND: &str = "UCX";
-/// Status polls of a READ that only yield the core, before each poll sleeps [`READ_BACKOFF`].
-const READ_SPINS: u32 = 256;
-/// The pause between status polls of a READ that is taking long.
-const READ_BACKOFF: std::time::Duration = std::time::Duration::from_micros(50);
+/// How long a READ whose job stopped is polled for its end before it is handed back as stuck
+/// (its slots then quarantined). UCX ends a cancelled or failing transfer well within this.
+pub(crate) const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Whether the NIXL library can be used in this process; the error says why not. The first call
 /// opens the library (from [`LIB_DIR_ENV`] if set, else by name); the answer is kept.
@@ -129,8 +129,12 @@ pub(crate) struct ReadPair {
 pub(crate) enum ReadEnd {
     /// NIXL refused or failed the transfer.
     Failed(String),
-    /// The deadline passed or the job was cancelled; the request was released.
+    /// The deadline passed or the job was cancelled, and NIXL then ended the READ; the request
+    /// was released, so the local memory may be reused.
     Stopped,
+    /// The deadline passed or the job was cancelled, and NIXL still said the READ was active
+    /// after [`STOP_GRACE`]: the local memory must stay out of use while it is kept.
+    Stuck(StuckRead),
 }
 
 /// An instance's data plane, made on first use: no agent (and no UCX threads) for an instance
@@ -245,7 +249,10 @@ impl Plane {
     }
 
     /// READs every pair from `remote` into local memory and waits for completion, polling
-    /// `stop` and the deadline. On `Stopped` the request has been released.
+    /// `stop` and the deadline. A stopped READ is released only once NIXL says it is over
+    /// ([`settle`](crate::settle::settle)): then `Stopped`; still active after
+    /// [`STOP_GRACE`]: `Stuck`, with the unreleased request, whose local memory the caller must
+    /// never reuse until [`Plane::ended`] says it is over.
     pub(crate) fn read(
         &self,
         remote: &str,
@@ -264,33 +271,75 @@ impl Plane {
             .agent
             .create_xfer_req(XferOp::Read, &local, &far, remote, None)
             .map_err(|e| failed("create NIXL READ", e))?;
-        let mut in_progress = self
+        let in_progress = self
             .agent
             .post_xfer_req(&request, None)
             .map_err(|e| failed("post NIXL READ", e))?;
-        let mut polls = 0u32;
-        while in_progress {
-            if stop() || Instant::now() >= deadline {
-                // Dropping the request releases it, which cancels the transfer in NIXL.
-                drop(request);
-                return Err(ReadEnd::Stopped);
-            }
-            in_progress = match self.agent.get_xfer_status(&request) {
-                Ok(XferStatus::InProgress) => true,
-                Ok(XferStatus::Success) => false,
-                Err(e) => return Err(failed("NIXL READ status", e)),
-            };
-            if in_progress {
-                // Spin briefly (completions on a fast link come within microseconds), then back
-                // off so that a long READ does not hold a core the transport may need.
-                polls = polls.saturating_add(1);
-                if polls < READ_SPINS {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(READ_BACKOFF);
-                }
-            }
+        if !in_progress {
+            return Ok(());
         }
-        Ok(())
+        let posted = PostedRead {
+            agent: &self.agent,
+            request: Some(request),
+        };
+        match wait(posted, deadline, stop, STOP_GRACE) {
+            Waited::Done => Ok(()),
+            Waited::Failed(reason) => Err(ReadEnd::Failed(format!("NIXL READ: {reason}"))),
+            Waited::Stopped => Err(ReadEnd::Stopped),
+            Waited::Stuck(mut posted) => match posted.request.take() {
+                Some(request) => Err(ReadEnd::Stuck(StuckRead { request })),
+                None => Err(ReadEnd::Stopped),
+            },
+        }
+    }
+
+    /// Whether a stuck READ is over now (then dropping it releases it).
+    pub(crate) fn ended(&self, stuck: &StuckRead) -> bool {
+        status(&self.agent, &stuck.request) != TransferState::Active
+    }
+}
+
+/// NIXL's word on `request`; an error status means NIXL ended it.
+fn status(agent: &Agent, request: &XferRequest) -> TransferState {
+    match agent.get_xfer_status(request) {
+        Ok(XferStatus::InProgress) => TransferState::Active,
+        Ok(XferStatus::Success) => TransferState::Done,
+        Err(e) => TransferState::Failed(format!("status: {e:?}")),
+    }
+}
+
+/// A posted READ under [`wait`]; dropping it releases the request.
+struct PostedRead<'a> {
+    agent: &'a Agent,
+    /// Always `Some` until a stuck READ is handed out.
+    request: Option<XferRequest>,
+}
+
+impl Posted for PostedRead<'_> {
+    fn state(&mut self) -> TransferState {
+        match &self.request {
+            Some(request) => status(self.agent, request),
+            None => TransferState::Failed("no request".to_owned()),
+        }
+    }
+}
+
+/// A READ whose job stopped and that NIXL still called active after [`STOP_GRACE`]. It must
+/// not be dropped (released) before [`Plane::ended`] says it is over, and the local memory it
+/// writes must stay out of use until then; [`StuckRead::abandon`] leaks it instead.
+pub(crate) struct StuckRead {
+    request: XferRequest,
+}
+
+impl std::fmt::Debug for StuckRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StuckRead")
+    }
+}
+
+impl StuckRead {
+    /// Leaks the request: it is never released, so NIXL never frees what it may still use.
+    pub(crate) fn abandon(self) {
+        std::mem::forget(self.request);
     }
 }

@@ -33,6 +33,12 @@ pub struct P2pStats {
     pub chunks_fetched_nixl: u64,
     /// Chunks this instance's server offered for a NIXL READ (feature `nixl`).
     pub chunks_offered_nixl: u64,
+    /// NIXL READs whose job stopped (cancel, shutdown, deadline) and that NIXL still called
+    /// active after the stop grace: their jobs' slots are quarantined (the job completes only
+    /// when NIXL ends the READ, so the host pool never reuses a slot a NIC may still write).
+    pub nixl_reads_quarantined: u64,
+    /// Of `nixl_reads_quarantined`, those that NIXL ended later (their jobs then completed).
+    pub nixl_reads_unquarantined: u64,
     /// Chunks pushed to their keys' owners after a publish (PUT answered as stored).
     pub chunks_pushed: u64,
     /// Pushes that failed or were refused, or not sent because the queue was full.
@@ -73,6 +79,8 @@ pub(crate) struct Counters {
     pub(crate) bytes_fetched: AtomicU64,
     pub(crate) chunks_fetched_nixl: AtomicU64,
     pub(crate) chunks_offered_nixl: AtomicU64,
+    pub(crate) nixl_reads_quarantined: AtomicU64,
+    pub(crate) nixl_reads_unquarantined: AtomicU64,
     pub(crate) chunks_pushed: AtomicU64,
     pub(crate) push_failures: AtomicU64,
     pub(crate) chunks_received: AtomicU64,
@@ -117,6 +125,8 @@ impl Counters {
             bytes_fetched: get(&self.bytes_fetched),
             chunks_fetched_nixl: get(&self.chunks_fetched_nixl),
             chunks_offered_nixl: get(&self.chunks_offered_nixl),
+            nixl_reads_quarantined: get(&self.nixl_reads_quarantined),
+            nixl_reads_unquarantined: get(&self.nixl_reads_unquarantined),
             chunks_pushed: get(&self.chunks_pushed),
             push_failures: get(&self.push_failures),
             chunks_received: get(&self.chunks_received),

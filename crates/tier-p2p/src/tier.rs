@@ -42,6 +42,28 @@ enum Route {
     Client,
 }
 
+/// The etcd directory that `config` names (checked by `validate`).
+#[cfg(feature = "etcd")]
+fn etcd_directory(config: &P2pConfig) -> Result<Box<dyn PeerDirectory>, P2pError> {
+    let mut etcd = crate::etcd::EtcdPeersConfig::new(
+        config.etcd_endpoints.clone(),
+        config.etcd_prefix.clone(),
+        Some(config.etcd_member()?),
+    );
+    etcd.lease_ttl = config.etcd_lease_ttl;
+    etcd.call_deadline = config.connect_deadline.max(Duration::from_secs(1));
+    Ok(Box::new(crate::etcd::EtcdPeers::start(etcd)?))
+}
+
+/// Without the feature `validate` refuses `etcd_endpoints`, so this is never reached.
+#[cfg(not(feature = "etcd"))]
+fn etcd_directory(_: &P2pConfig) -> Result<Box<dyn PeerDirectory>, P2pError> {
+    Err(P2pError::Config {
+        field: "etcd_endpoints",
+        reason: "this build has no etcd directory (tier-p2p's `etcd` feature)".to_owned(),
+    })
+}
+
 /// An accepted job not yet completed.
 #[derive(Debug)]
 struct Held {
@@ -118,8 +140,10 @@ impl P2pTier {
     /// config names: [`DnsPeers`] of `peers_dns`, else [`StaticPeers`] of `peers`.
     pub fn new(config: P2pConfig, memory: Arc<dyn SlotMemory>) -> Result<Self, P2pError> {
         config.validate(memory.slot_bytes())?;
-        let no_peers = config.peers.is_empty() && config.peers_dns.is_none();
+        let etcd = !config.etcd_endpoints.is_empty();
+        let no_peers = config.peers.is_empty() && config.peers_dns.is_none() && !etcd;
         let directory: Box<dyn PeerDirectory> = match &config.peers_dns {
+            _ if etcd => etcd_directory(&config)?,
             Some(name) => Box::new(DnsPeers::start(
                 name.clone(),
                 config.dns_refresh,
@@ -127,19 +151,22 @@ impl P2pTier {
             )?),
             None => Box::new(StaticPeers::new(config.peers.clone())),
         };
-        let static_members = config.peers_dns.is_none();
+        let static_members = config.peers_dns.is_none() && !etcd;
         Self::start(config, memory, directory, no_peers, static_members)
     }
 
-    /// As [`P2pTier::new`], with the members given by `directory` (`peers` and `peers_dns`
-    /// must be unset).
+    /// As [`P2pTier::new`], with the members given by `directory` (`peers`, `peers_dns` and
+    /// `etcd_endpoints` must be unset).
     pub fn with_directory(
         config: P2pConfig,
         memory: Arc<dyn SlotMemory>,
         directory: Box<dyn PeerDirectory>,
     ) -> Result<Self, P2pError> {
         config.validate(memory.slot_bytes())?;
-        if !config.peers.is_empty() || config.peers_dns.is_some() {
+        if !config.peers.is_empty()
+            || config.peers_dns.is_some()
+            || !config.etcd_endpoints.is_empty()
+        {
             return Err(P2pError::Config {
                 field: "peers",
                 reason: "set together with a directory; pick one".to_owned(),
@@ -370,9 +397,10 @@ impl P2pTier {
         let orphans: Vec<JobId> = self
             .held
             .iter()
-            .filter(|(_, h)| match h.route {
+            .filter(|(&id, h)| match h.route {
                 Route::Local => local_gone,
-                Route::Client => client_gone,
+                // A quarantined job's slots stay its own (see `drain`).
+                Route::Client => client_gone && !self.control.quarantined(id),
             })
             .map(|(&id, _)| id)
             .collect();
@@ -542,7 +570,9 @@ impl Tier for P2pTier {
     }
 
     fn drain(&mut self) {
-        while !self.held.is_empty() {
+        // A quarantined job (its NIXL READ stuck) completes only when NIXL ends the READ: not
+        // waited for.
+        while self.held.keys().any(|&id| !self.control.quarantined(id)) {
             match self.done.recv_timeout(DRAIN_CHECK) {
                 Ok(completion) => self.complete(completion),
                 Err(RecvTimeoutError::Timeout) => self.fail_orphans(),
@@ -551,7 +581,12 @@ impl Tier for P2pTier {
                     self.fail_orphans();
                     if !self.held.is_empty() {
                         log("workers gone with jobs in flight; failing them");
-                        let ids: Vec<JobId> = self.held.keys().copied().collect();
+                        let ids: Vec<JobId> = self
+                            .held
+                            .keys()
+                            .copied()
+                            .filter(|&id| !self.control.quarantined(id))
+                            .collect();
                         for id in ids {
                             let failed = self.held.get(&id).map(|h| h.keys.clone());
                             let failed = failed.unwrap_or_default();

@@ -34,6 +34,9 @@ pub(crate) struct Work {
 #[derive(Debug, Default)]
 pub(crate) struct Control {
     cancelled: Mutex<HashSet<JobId>>,
+    /// Jobs whose NIXL READ outlived the stop grace: they complete only when NIXL ends it, and
+    /// neither `drain` nor a worker's exit completes them before (their slots stay theirs).
+    quarantined: Mutex<HashSet<JobId>>,
     shutting_down: AtomicBool,
     /// Push commands queued for the client worker and not yet done.
     pushes_queued: AtomicUsize,
@@ -48,11 +51,11 @@ impl Control {
         self.member_count.store(count, Ordering::SeqCst);
     }
 
-    /// Whether some member does not own every key (with `owners` owners per key): only then
-    /// must a publish push its chunks, since otherwise every lookup asks every member,
-    /// this one included.
+    /// Whether some member does not own every key (with `owners` owners per key, 0: all):
+    /// only then must a publish push its chunks, since otherwise every lookup asks every
+    /// member, this one included.
     pub(crate) fn push_needed(&self, owners: usize) -> bool {
-        self.member_count.load(Ordering::SeqCst) > owners
+        owners != 0 && self.member_count.load(Ordering::SeqCst) > owners
     }
 
     /// Counts a push command about to be queued, unless `max` are queued already.
@@ -78,6 +81,22 @@ impl Control {
     /// Forgets `id` (it completed).
     pub(crate) fn forget(&self, id: JobId) {
         lock(&self.cancelled).remove(&id);
+    }
+
+    /// Marks job `id` quarantined (its NIXL READ is stuck), or not any more.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn set_quarantined(&self, id: JobId, quarantined: bool) {
+        let mut set = lock(&self.quarantined);
+        if quarantined {
+            set.insert(id);
+        } else {
+            set.remove(&id);
+        }
+    }
+
+    /// Whether job `id` is quarantined.
+    pub(crate) fn quarantined(&self, id: JobId) -> bool {
+        lock(&self.quarantined).contains(&id)
     }
 
     /// Asks every job to stop early, and closes the client's sockets.

@@ -38,6 +38,7 @@ fn run_checks() {
     checks::fetcher_with_nixl_off_uses_tcp();
     checks::server_with_nixl_off_makes_the_fetcher_fall_back_to_tcp();
     checks::a_mismatched_length_is_not_loaded_and_the_rest_is();
+    checks::a_cancelled_nixl_load_completes_once_and_the_tier_stays_usable();
     checks::two_processes_fetch_over_nixl();
 }
 
@@ -203,6 +204,49 @@ mod checks {
         for i in [0u64, 2] {
             common::expect_loaded(&*pair.b_memory, &[i], i as u32, LEN);
         }
+        pair.a.shutdown();
+        pair.b.shutdown();
+    }
+
+    /// A load cancelled while its READ may be in flight: the READ is released only once NIXL
+    /// ended it (none is left stuck here), the job completes once, every key it reports as
+    /// loaded holds the right bytes, and the next load over NIXL works.
+    pub fn a_cancelled_nixl_load_completes_once_and_the_tier_stays_usable() {
+        const COUNT: u64 = 48;
+        let mut pair = pair(COUNT, true, true);
+        let all: Vec<u64> = (0..COUNT).collect();
+        // Warm up (agent, registrations), so that the cancelled load reaches its READ.
+        load(&mut pair, 1, &all);
+        for round in 0..3u64 {
+            let id = JobId(10 + round);
+            // Clear the slots, so that only this load can put the right bytes there.
+            let zeros = vec![0u8; LEN as usize];
+            for i in 0..COUNT {
+                pair.b_memory
+                    .write_slot(offload_core::SlotId(i as u32), 0, &zeros);
+            }
+            common::submit_load(&mut pair.b, id, &all, 0, LEN);
+            pair.b.cancel(id);
+            let done = common::wait(&mut pair.b, id, DEADLINE);
+            let loaded: Vec<u64> = all
+                .iter()
+                .copied()
+                .filter(|&i| !done.failed.contains(&common::key(i)))
+                .collect();
+            for &i in &loaded {
+                common::expect_loaded(&*pair.b_memory, &[i], i as u32, LEN);
+            }
+            let mut extra = Vec::new();
+            pair.b.poll(&mut extra);
+            assert!(
+                extra.iter().all(|c| c.id != id),
+                "job {id:?} completed twice"
+            );
+        }
+        let b = pair.b.stats();
+        assert_eq!(b.nixl_reads_quarantined, 0, "{b:?}");
+        load(&mut pair, 20, &all);
+        assert!(pair.b.stats().chunks_fetched_nixl > b.chunks_fetched_nixl);
         pair.a.shutdown();
         pair.b.shutdown();
     }
