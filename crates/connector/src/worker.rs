@@ -4,7 +4,8 @@
 //! in a [`WorkerOutput`].
 //!
 //! Per step, in the meta's order (design.md section 4, item 14): [`WorkerHandle::before_compute`]
-//! finishes every job older than a reset, waits for the stores to flush, and starts the loads;
+//! finishes every job older than a reset (those the engine has complete, those still queued here
+//! are cancelled), waits for the stores to flush, and starts the loads;
 //! the engine runs its forward pass; [`WorkerHandle::after_compute`] starts the stores;
 //! [`WorkerHandle::take_output`] reports what completed.
 //!
@@ -33,6 +34,9 @@ pub struct WorkerCounters {
     pub submits_busy: u64,
     /// Stores waited for because the meta flushed them.
     pub flushes: u64,
+    /// Jobs older than a reset that were still queued here (the engine was busy) when the reset
+    /// arrived: never submitted, acknowledged as failed.
+    pub jobs_cancelled_at_reset: u64,
 }
 
 /// One worker's side of kvtier over a transfer engine `E`.
@@ -75,14 +79,17 @@ impl<E: TransferEngine> WorkerHandle<E> {
         &self.engine
     }
 
-    /// Before the step's compute: completes every job older than `meta.reset_before` (their
-    /// acknowledgements are still sent; the scheduler ignores them), waits for the stores named
+    /// Before the step's compute: ends every job older than `meta.reset_before`: those the engine
+    /// has complete (drained), those still queued here because the engine was busy are cancelled,
+    /// never submitted, since their slots and blocks may be reused once the scheduler hears they
+    /// are over (their acknowledgements, failed for the cancelled ones, are still sent: the
+    /// scheduler holds their slots until then). Then waits for the stores named
     /// in `meta.flush`, and starts `meta.loads`, each after `reads_done`: the point in the
     /// engine's compute after which no kernel reads the blocks the loads overwrite (`None` when
     /// the compute is synchronous or idle).
     pub fn before_compute(&mut self, meta: &ConnectorMeta, reads_done: Option<E::Dependency>) {
-        if meta.reset_before.is_some() {
-            self.submit_queued();
+        if let Some(floor) = meta.reset_before {
+            self.cancel_queued_before(floor);
             self.engine.drain();
         }
         for &job in &meta.flush {
@@ -125,6 +132,24 @@ impl<E: TransferEngine> WorkerHandle<E> {
         }
         self.engine.drain();
         self.reap();
+    }
+
+    /// Acknowledges as failed, without submitting them, the queued jobs older than `floor`.
+    fn cancel_queued_before(&mut self, floor: JobId) {
+        let mut keep = VecDeque::with_capacity(self.queued.len());
+        for (job, after) in self.queued.drain(..) {
+            if job.id >= floor {
+                keep.push_back((job, after));
+                continue;
+            }
+            self.counters.jobs_cancelled_at_reset += 1;
+            self.counters.jobs_failed += 1;
+            self.acks.push(JobAck {
+                job: job.id,
+                success: false,
+            });
+        }
+        self.queued = keep;
     }
 
     /// Submits queued jobs in order until `job` went out (for a flush).
