@@ -37,6 +37,10 @@ pub struct WorkerCounters {
     /// Jobs older than a reset that were still queued here (the engine was busy) when the reset
     /// arrived: never submitted, acknowledged as failed.
     pub jobs_cancelled_at_reset: u64,
+    /// Jobs a drain or a flush had to submit and the engine refused as busy although it had just
+    /// been drained (nothing in flight): waiting longer cannot help, so they were acknowledged
+    /// as failed instead of retried forever.
+    pub jobs_refused_when_drained: u64,
 }
 
 /// One worker's side of kvtier over a transfer engine `E`.
@@ -124,10 +128,16 @@ impl<E: TransferEngine> WorkerHandle<E> {
     }
 
     /// Blocks until every job was submitted and completed (shutdown, tests); the completions
-    /// are reported by the next [`WorkerHandle::take_output`].
+    /// are reported by the next [`WorkerHandle::take_output`]. Bounded: each queued job costs at
+    /// most one drain of the engine, and one the drained engine still refuses as busy is
+    /// acknowledged as failed (`jobs_refused_when_drained`).
     pub fn drain(&mut self) {
         while !self.queued.is_empty() {
             self.engine.drain();
+            self.reap();
+            if !self.try_submit_front() {
+                self.fail_front_refused_when_drained();
+            }
             self.submit_queued();
         }
         self.engine.drain();
@@ -159,15 +169,32 @@ impl<E: TransferEngine> WorkerHandle<E> {
         }
         while let Some(next) = self.queued.front().map(|(j, _)| j.id) {
             if !self.try_submit_front() {
-                // Busy: make room by finishing what is in flight.
+                // Busy: make room by finishing what is in flight. A drained engine that still
+                // refuses will not take the job at all: it fails (a failed store is freed).
                 self.engine.drain();
                 self.reap();
-                continue;
+                if !self.try_submit_front() {
+                    self.fail_front_refused_when_drained();
+                }
             }
             if next == job {
                 break;
             }
         }
+    }
+
+    /// Acknowledges the first queued job as failed: the engine refused it as busy with nothing
+    /// in flight, so no wait can get it accepted.
+    fn fail_front_refused_when_drained(&mut self) {
+        let Some((job, _)) = self.queued.pop_front() else {
+            return;
+        };
+        self.counters.jobs_refused_when_drained += 1;
+        self.counters.jobs_failed += 1;
+        self.acks.push(JobAck {
+            job: job.id,
+            success: false,
+        });
     }
 
     fn submit(&mut self, job: Job, after: Option<E::Dependency>) {

@@ -20,6 +20,10 @@ enum Event {
 struct Scripted {
     max: usize,
     latency: u32,
+    /// Refuse every submit as busy, even when idle (a broken or wedged engine).
+    always_busy: bool,
+    /// Submit calls so far; a caller that loops on a busy engine without bound trips a panic.
+    submit_calls: u32,
     bad: Vec<u64>,
     held: VecDeque<(Job, u32)>,
     log: Vec<Event>,
@@ -32,6 +36,8 @@ impl Scripted {
         Self {
             max,
             latency: 1,
+            always_busy: false,
+            submit_calls: 0,
             bad: Vec::new(),
             held: VecDeque::new(),
             log: Vec::new(),
@@ -51,7 +57,12 @@ impl TransferEngine for Scripted {
                 source: PlanError::Layout("refused".to_owned()),
             });
         }
-        if self.held.len() >= self.max {
+        self.submit_calls += 1;
+        assert!(
+            self.submit_calls < 10_000,
+            "the caller retries a busy engine forever"
+        );
+        if self.always_busy || self.held.len() >= self.max {
             return Err(TransferError::Busy {
                 in_flight: self.held.len(),
             });
@@ -288,4 +299,39 @@ fn a_reset_ends_every_queued_older_job_even_behind_a_busy_engine() {
         "every job reported exactly once; the queued ones cancelled"
     );
     assert_eq!(w.counters().jobs_cancelled_at_reset, 3);
+}
+
+#[test]
+fn drain_and_flush_end_against_an_engine_that_stays_busy_when_idle() {
+    // Issue 18 item 5: the worker's drain and flush loops retried a busy engine forever. A
+    // drained engine that still refuses will never take the job: it is acknowledged as failed.
+    let mut engine = Scripted::new(8);
+    engine.always_busy = true;
+    let mut w = WorkerHandle::new(0, engine);
+    w.after_compute(
+        &ConnectorMeta {
+            stores: (1..4).map(|i| job(i, JobKind::Store)).collect(),
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    w.before_compute(
+        &ConnectorMeta {
+            flush: vec![JobId(1)],
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    assert_eq!(
+        acked(&[w.take_output()]),
+        vec![(1, false)],
+        "the flushed store failed"
+    );
+    w.drain();
+    assert_eq!(acked(&[w.take_output()]), vec![(2, false), (3, false)]);
+    assert_eq!(w.counters().jobs_refused_when_drained, 3);
+    assert!(
+        acked(&[w.take_output()]).is_empty(),
+        "each job reported once"
+    );
 }
