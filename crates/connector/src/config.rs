@@ -325,6 +325,15 @@ pub struct ConnectorConfig {
     /// A promotion in flight longer than this is cancelled (default 10000 ms).
     #[serde(default)]
     pub promotion_deadline_ms: Option<u64>,
+    /// A cascade (host pool to a secondary tier) queued behind a busy tier longer than this is
+    /// dropped and its host pins released; one in flight longer is cancelled (default 30000 ms).
+    #[serde(default)]
+    pub cascade_deadline_ms: Option<u64>,
+    /// How long a reset (and a drain at shutdown) waits for the secondary tiers' jobs before it
+    /// cancels them; the host slots of jobs still in flight then stay out of use until their
+    /// tier reports them (default 5000 ms).
+    #[serde(default)]
+    pub reset_drain_deadline_ms: Option<u64>,
     /// Secondary tiers, tried in this order on a host-pool miss.
     #[serde(default)]
     pub secondary_tiers: Vec<TierSpec>,
@@ -376,6 +385,10 @@ pub struct ResolvedConfig {
     pub slot_bytes: u32,
     /// The promotion deadline in nanoseconds.
     pub promotion_deadline_ns: u64,
+    /// The cascade deadline in nanoseconds.
+    pub cascade_deadline_ns: u64,
+    /// The reset (and drain) deadline in nanoseconds.
+    pub reset_drain_deadline_ns: u64,
     /// The secondary tiers, checked.
     pub tiers: Vec<TierSpec>,
     /// The engine's geometry.
@@ -488,9 +501,15 @@ impl ConnectorConfig {
                 format!("at most {}", offload_core::pool::REUSE_THRESHOLD_MAX),
             ));
         }
-        if self.promotion_deadline_ms == Some(0) {
-            return Err(invalid("promotion_deadline_ms", "must be at least 1"));
-        }
+        let promotion_deadline_ns =
+            deadline_ns("promotion_deadline_ms", self.promotion_deadline_ms, 10_000)?;
+        let cascade_deadline_ns =
+            deadline_ns("cascade_deadline_ms", self.cascade_deadline_ms, 30_000)?;
+        let reset_drain_deadline_ns = deadline_ns(
+            "reset_drain_deadline_ms",
+            self.reset_drain_deadline_ms,
+            5_000,
+        )?;
         if self.secondary_tiers.len() > TIERS_MAX {
             return Err(invalid(
                 "secondary_tiers",
@@ -530,11 +549,32 @@ impl ConnectorConfig {
             scheduler,
             pool,
             slot_bytes: slot_bytes as u32,
-            promotion_deadline_ns: self.promotion_deadline_ms.unwrap_or(10_000) * 1_000_000,
+            promotion_deadline_ns,
+            cascade_deadline_ns,
+            reset_drain_deadline_ns,
             tiers: self.secondary_tiers.clone(),
             engine: engine.clone(),
         })
     }
+}
+
+/// Most milliseconds a deadline key takes (one day): a larger one is a mistake, not a wait.
+pub const DEADLINE_MS_MAX: u64 = 86_400_000;
+
+/// A deadline key's value (`default_ms` when absent) in nanoseconds; 0 or more than
+/// [`DEADLINE_MS_MAX`] is an error naming `key`.
+fn deadline_ns(key: &str, value: Option<u64>, default_ms: u64) -> Result<u64, ConfigError> {
+    let ms = value.unwrap_or(default_ms);
+    if ms == 0 {
+        return Err(invalid(key, "must be at least 1"));
+    }
+    if ms > DEADLINE_MS_MAX {
+        return Err(invalid(
+            key,
+            format!("{ms} ms is more than a day ({DEADLINE_MS_MAX} ms)"),
+        ));
+    }
+    Ok(ms * 1_000_000)
 }
 
 fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigError> {
@@ -733,6 +773,8 @@ impl ResolvedConfig {
         let options = TieringOptions {
             strict,
             promotion_deadline_ns: self.promotion_deadline_ns,
+            cascade_deadline_ns: self.cascade_deadline_ns,
+            reset_drain_deadline_ns: self.reset_drain_deadline_ns,
             clock,
             ..TieringOptions::new(self.slot_bytes)
         };

@@ -107,8 +107,11 @@ impl<M: AsTiering> SchedulerHandle<M> {
         self.scheduler.request_finished(request)
     }
 
-    /// Drops everything in the host pool (secondary tiers keep their data); returns the
-    /// cancelled loads, which the engine recomputes.
+    /// Drops everything in the host pool (secondary tiers keep their data); returns the loads
+    /// cancelled before any worker got them, which the engine recomputes. Loads the workers
+    /// already have fail in the `update_connector_output` that brings their last
+    /// acknowledgement (they may write the request's blocks until then); slots that jobs in
+    /// flight may still write stay out of use until those jobs are over.
     pub fn reset_cache(&mut self) -> UpdateOutcome {
         self.scheduler.reset_cache()
     }
@@ -148,10 +151,12 @@ impl<M: AsTiering> SchedulerHandle<M> {
         self.scheduler.manager_mut().tiering_mut().begin_step();
     }
 
-    /// Blocks until every secondary-tier job was reported (for shutdown and tests).
-    pub fn drain_tiers(&mut self) {
-        self.scheduler.manager_mut().tiering_mut().drain();
+    /// Waits until every secondary-tier job was reported (for shutdown and tests), at most the
+    /// reset drain deadline ([`TieringManager::drain`]); `false` if jobs are still in flight.
+    pub fn drain_tiers(&mut self) -> bool {
+        let drained = self.scheduler.manager_mut().tiering_mut().drain();
         self.scheduler.manager_mut().tiering_mut().begin_step();
+        drained
     }
 
     /// The scheduler, for inspection.

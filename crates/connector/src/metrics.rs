@@ -17,6 +17,9 @@ pub struct PoolUsage {
     pub slots_used: u32,
     /// Slots holding an idle (evictable) chunk.
     pub slots_idle: u32,
+    /// Slots held since a reset for a transfer that was in flight then (neither used nor free
+    /// until it is over); counted in neither `slots_used` nor the free slots.
+    pub slots_held: u32,
     /// Bytes per slot.
     pub slot_bytes: u32,
 }
@@ -50,8 +53,9 @@ impl Metrics {
             tiers,
             pool: PoolUsage {
                 slots_total: host.slot_count(),
-                slots_used: host.slot_count() - host.free_slot_count(),
+                slots_used: host.len() as u32,
                 slots_idle: host.idle_count(),
+                slots_held: host.held_slot_count() as u32,
                 slot_bytes: manager.options().slot_bytes,
             },
         }
@@ -178,7 +182,7 @@ impl Metrics {
                 );
             }
         }
-        let singles: [(&str, &str, &str, u64); 12] = [
+        let singles: [(&str, &str, &str, u64); 14] = [
             (
                 "kvtier_allocation_failures_total",
                 "counter",
@@ -228,6 +232,18 @@ impl Metrics {
                 "counter",
                 "Resets whose wait for tier jobs passed the reset drain deadline.",
                 self.tiering.reset_drain_timeouts,
+            ),
+            (
+                "kvtier_drain_timeouts_total",
+                "counter",
+                "Drains (shutdown, tests) whose wait for tier jobs passed the drain deadline.",
+                self.tiering.drain_timeouts,
+            ),
+            (
+                "kvtier_pool_slots_held",
+                "gauge",
+                "Host-pool slots held since a reset for a transfer still in flight then.",
+                u64::from(self.pool.slots_held),
             ),
             (
                 "kvtier_pool_slots",
@@ -318,7 +334,12 @@ mod tests {
             )],
             tiering: TieringCounters {
                 reset_drain_timeouts: 6,
+                drain_timeouts: 7,
                 ..TieringCounters::default()
+            },
+            pool: PoolUsage {
+                slots_held: 8,
+                ..PoolUsage::default()
             },
             ..Metrics::default()
         };
@@ -329,6 +350,8 @@ mod tests {
             "kvtier_deadline_expired_total{tier=\"fs\",wait=\"promotion\"} 4",
             "kvtier_deadline_expired_total{tier=\"fs\",wait=\"reset_drain\"} 5",
             "kvtier_reset_drain_timeouts_total 6",
+            "kvtier_drain_timeouts_total 7",
+            "kvtier_pool_slots_held 8",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line} in\n{text}");
         }

@@ -149,6 +149,11 @@ pub struct TierCounters {
     pub cascades_timed_out: u64,
     /// Jobs still in flight when a reset's wait for this tier passed its deadline: cancelled.
     pub reset_jobs_cancelled: u64,
+    /// Jobs still in flight when a reset ended (after its deadline): their host slots were held
+    /// out of use, not freed, until the tier reported them.
+    pub reset_jobs_held: u64,
+    /// Of those, the ones the tier has reported since (their slots' holds ended).
+    pub reset_held_jobs_reported: u64,
 }
 
 /// Counters of the tiering manager itself.
@@ -175,8 +180,11 @@ pub struct TieringCounters {
     /// Promotion pins dropped at the promotion deadline because their request never loaded them.
     pub promotion_pins_expired: u64,
     /// Resets whose wait for the tiers' jobs passed the reset drain deadline (the jobs still in
-    /// flight were then cancelled).
+    /// flight were then cancelled, and their host slots held until reported).
     pub reset_drain_timeouts: u64,
+    /// Calls of [`TieringManager::drain`] (and drops) whose wait passed the drain deadline with
+    /// tier jobs still in flight (cancelled, left to report later).
+    pub drain_timeouts: u64,
 }
 
 /// Settings of a [`TieringManager`] beyond its parts.
@@ -265,6 +273,9 @@ struct InFlight {
     chunks: Vec<Chunk>,
     submitted_ns: u64,
     cancelled: bool,
+    /// Still in flight when a reset ended: its host slots are held (out of use) until the tier
+    /// reports it, and the report only ends those holds.
+    held: bool,
 }
 
 /// What the manager keeps per request until it is finalized.
@@ -547,12 +558,31 @@ impl TieringManager {
         self.finalize_waiting_requests();
     }
 
-    /// Blocks until every tier job was reported, and applies the reports.
-    pub fn drain(&mut self) {
-        for entry in &mut self.tiers {
-            entry.tier.drain();
+    /// Waits until every tier job was reported, and applies the reports, for at most the reset
+    /// drain deadline (polling the tiers, sleeping on the clock between polls); past it the jobs
+    /// still in flight are cancelled, the wait is counted (`drain_timeouts`) and `false` is
+    /// returned. The jobs stay in flight, their slots pinned, until their tiers report them.
+    pub fn drain(&mut self) -> bool {
+        let start = self.now();
+        loop {
+            self.poll_tiers();
+            if self.in_flight.is_empty() {
+                return true;
+            }
+            if self.now().saturating_sub(start) >= self.options.reset_drain_deadline_ns {
+                break;
+            }
+            self.options.clock.sleep_ns(RESET_DRAIN_POLL_INTERVAL_NS);
+        }
+        self.counters.drain_timeouts += 1;
+        for (&id, job) in self.in_flight.iter_mut() {
+            if !job.cancelled {
+                job.cancelled = true;
+                self.tiers[job.tier].tier.cancel(id);
+            }
         }
         self.poll_tiers();
+        self.in_flight.is_empty()
     }
 
     /// Submits what is queued, drains every tier and shuts them down (they refuse jobs after it).
@@ -742,6 +772,7 @@ impl TieringManager {
                         chunks: job.chunks,
                         submitted_ns: now,
                         cancelled: false,
+                        held: false,
                     },
                 );
             }
@@ -901,6 +932,7 @@ impl TieringManager {
                         chunks: job.chunks,
                         submitted_ns: now,
                         cancelled: false,
+                        held: false,
                     },
                 );
                 None
@@ -1008,9 +1040,9 @@ impl TieringManager {
 
     /// Waits for every tier job to be reported, up to the reset drain deadline, polling the
     /// tiers and sleeping on the clock between polls (a reset already blocks the caller). Past
-    /// the deadline the jobs still in flight are cancelled and counted; then each tier that
-    /// still holds a job is drained, which a tier honouring `cancel` ends at once. It cannot
-    /// return earlier: the host pool is reset next, and a job's slots belong to it until the
+    /// the deadline the jobs still in flight are cancelled and marked held: the host pool's reset
+    /// then holds their slots (out of use, not freed) until the tier reports them, since a job's
+    /// slots belong to it until the
     /// tier reports it (buffer ownership).
     fn drain_for_reset(&mut self) {
         let start = self.now();
@@ -1026,21 +1058,24 @@ impl TieringManager {
             self.options.clock.sleep_ns(RESET_DRAIN_POLL_INTERVAL_NS);
         }
         self.counters.reset_drain_timeouts += 1;
-        let mut holding = BTreeSet::new();
         for (&id, job) in self.in_flight.iter_mut() {
-            holding.insert(job.tier);
-            if job.cancelled {
-                continue;
+            if !job.cancelled {
+                job.cancelled = true;
+                let entry = &mut self.tiers[job.tier];
+                entry.counters.reset_jobs_cancelled += 1;
+                entry.tier.cancel(id);
             }
-            job.cancelled = true;
-            let entry = &mut self.tiers[job.tier];
-            entry.counters.reset_jobs_cancelled += 1;
-            entry.tier.cancel(id);
         }
-        for tier in holding {
-            self.tiers[tier].tier.drain();
-        }
+        // A tier honouring cancel reports at once (applied as usual, before the pool's reset).
+        // What is still in flight after this poll is held: the pool's reset holds its slots
+        // (never freed or reused) until the tier reports it, however long that takes.
         self.poll_tiers();
+        for job in self.in_flight.values_mut() {
+            if !job.held {
+                job.held = true;
+                self.tiers[job.tier].counters.reset_jobs_held += 1;
+            }
+        }
     }
 
     /// Drops promotions queued behind a busy tier for longer than the promotion deadline (never
@@ -1107,6 +1142,13 @@ impl TieringManager {
         let Some(job) = self.in_flight.remove(&id) else {
             return;
         };
+        if job.held {
+            // From before a reset: its keys mean nothing now; only its slots' holds end.
+            let slots: Vec<SlotId> = job.chunks.iter().map(|c| c.1).collect();
+            self.host.release_held(&slots);
+            self.tiers[tier].counters.reset_held_jobs_reported += 1;
+            return;
+        }
         let failed: BTreeSet<ChunkKey> = completion.failed.iter().copied().collect();
         if let Some(stray) = failed
             .iter()
@@ -1389,29 +1431,38 @@ impl OffloadManager for TieringManager {
 
     fn reset(&mut self) {
         self.counters.resets += 1;
-        // Promotions queued and not submitted: their slots are dropped with the pool below.
-        self.promotions.clear();
+        // Promotions queued and not submitted: no tier touches their slots, which are freed.
+        let queued = std::mem::take(&mut self.promotions);
         self.promotions_queued_ns.clear();
-        // Tier I/O reads and writes host slots: it must end before they are freed. The wait has
-        // a deadline, after which what is still in flight is cancelled.
+        for chunks in queued.into_values() {
+            let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
+            self.host.complete_store(&keys, false);
+        }
+        // Tier I/O reads and writes host slots. The wait has a deadline, after which what is
+        // still in flight is cancelled and its slots held by the pool's reset below.
         self.drain_for_reset();
         self.drop_queued_cascades();
+        // Promotion pins guard no I/O: released before the pool's reset, so nothing holds them.
+        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
+        for &id in &ids {
+            self.release_promotion_pins(id);
+        }
         self.host.reset();
-        self.promotion_pins = 0;
-        // The scheduler's host stores were cancelled with its jobs.
+        // The scheduler's host stores and loads end with its jobs (it ends their holds).
         self.host_stores.clear();
         self.host_loads.clear();
-        let ids: Vec<RequestId> = self.requests.keys().copied().collect();
         for id in ids {
             if let Some(state) = self.requests.get_mut(&id) {
                 state.host_stores_pending = 0;
                 state.failed.clear();
-                // The pool dropped the pinned chunks above.
-                state.promoted.clear();
                 state.scan_hits.clear();
             }
             self.try_finalize(id);
         }
+    }
+
+    fn release_held(&mut self, slots: &[SlotId]) {
+        self.host.release_held(slots);
     }
 
     fn take_events(&mut self, out: &mut Vec<KvEvent>) {
@@ -1422,9 +1473,9 @@ impl OffloadManager for TieringManager {
 
 impl Drop for TieringManager {
     fn drop(&mut self) {
-        // Tier jobs own host slots until reported; wait for them.
-        for entry in &mut self.tiers {
-            entry.tier.drain();
-        }
+        // Tier jobs own host slots until reported: wait for them, up to the drain deadline.
+        // Past it they are cancelled; each tier's own drop then ends its I/O (its threads hold
+        // the slot memory they may still write) before that memory can go.
+        self.drain();
     }
 }

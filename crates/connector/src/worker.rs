@@ -4,7 +4,8 @@
 //! in a [`WorkerOutput`].
 //!
 //! Per step, in the meta's order (design.md section 4, item 14): [`WorkerHandle::before_compute`]
-//! finishes every job older than a reset, waits for the stores to flush, and starts the loads;
+//! finishes every job older than a reset (those the engine has complete, those still queued here
+//! are cancelled), waits for the stores to flush, and starts the loads;
 //! the engine runs its forward pass; [`WorkerHandle::after_compute`] starts the stores;
 //! [`WorkerHandle::take_output`] reports what completed.
 //!
@@ -33,6 +34,13 @@ pub struct WorkerCounters {
     pub submits_busy: u64,
     /// Stores waited for because the meta flushed them.
     pub flushes: u64,
+    /// Jobs older than a reset that were still queued here (the engine was busy) when the reset
+    /// arrived: never submitted, acknowledged as failed.
+    pub jobs_cancelled_at_reset: u64,
+    /// Jobs a drain or a flush had to submit and the engine refused as busy although it had just
+    /// been drained (nothing in flight): waiting longer cannot help, so they were acknowledged
+    /// as failed instead of retried forever.
+    pub jobs_refused_when_drained: u64,
 }
 
 /// One worker's side of kvtier over a transfer engine `E`.
@@ -75,14 +83,17 @@ impl<E: TransferEngine> WorkerHandle<E> {
         &self.engine
     }
 
-    /// Before the step's compute: completes every job older than `meta.reset_before` (their
-    /// acknowledgements are still sent; the scheduler ignores them), waits for the stores named
+    /// Before the step's compute: ends every job older than `meta.reset_before`: those the engine
+    /// has complete (drained), those still queued here because the engine was busy are cancelled,
+    /// never submitted, since their slots and blocks may be reused once the scheduler hears they
+    /// are over (their acknowledgements, failed for the cancelled ones, are still sent: the
+    /// scheduler holds their slots until then). Then waits for the stores named
     /// in `meta.flush`, and starts `meta.loads`, each after `reads_done`: the point in the
     /// engine's compute after which no kernel reads the blocks the loads overwrite (`None` when
     /// the compute is synchronous or idle).
     pub fn before_compute(&mut self, meta: &ConnectorMeta, reads_done: Option<E::Dependency>) {
-        if meta.reset_before.is_some() {
-            self.submit_queued();
+        if let Some(floor) = meta.reset_before {
+            self.cancel_queued_before(floor);
             self.engine.drain();
         }
         for &job in &meta.flush {
@@ -117,14 +128,38 @@ impl<E: TransferEngine> WorkerHandle<E> {
     }
 
     /// Blocks until every job was submitted and completed (shutdown, tests); the completions
-    /// are reported by the next [`WorkerHandle::take_output`].
+    /// are reported by the next [`WorkerHandle::take_output`]. Bounded: each queued job costs at
+    /// most one drain of the engine, and one the drained engine still refuses as busy is
+    /// acknowledged as failed (`jobs_refused_when_drained`).
     pub fn drain(&mut self) {
         while !self.queued.is_empty() {
             self.engine.drain();
+            self.reap();
+            if !self.try_submit_front() {
+                self.fail_front_refused_when_drained();
+            }
             self.submit_queued();
         }
         self.engine.drain();
         self.reap();
+    }
+
+    /// Acknowledges as failed, without submitting them, the queued jobs older than `floor`.
+    fn cancel_queued_before(&mut self, floor: JobId) {
+        let mut keep = VecDeque::with_capacity(self.queued.len());
+        for (job, after) in self.queued.drain(..) {
+            if job.id >= floor {
+                keep.push_back((job, after));
+                continue;
+            }
+            self.counters.jobs_cancelled_at_reset += 1;
+            self.counters.jobs_failed += 1;
+            self.acks.push(JobAck {
+                job: job.id,
+                success: false,
+            });
+        }
+        self.queued = keep;
     }
 
     /// Submits queued jobs in order until `job` went out (for a flush).
@@ -134,15 +169,32 @@ impl<E: TransferEngine> WorkerHandle<E> {
         }
         while let Some(next) = self.queued.front().map(|(j, _)| j.id) {
             if !self.try_submit_front() {
-                // Busy: make room by finishing what is in flight.
+                // Busy: make room by finishing what is in flight. A drained engine that still
+                // refuses will not take the job at all: it fails (a failed store is freed).
                 self.engine.drain();
                 self.reap();
-                continue;
+                if !self.try_submit_front() {
+                    self.fail_front_refused_when_drained();
+                }
             }
             if next == job {
                 break;
             }
         }
+    }
+
+    /// Acknowledges the first queued job as failed: the engine refused it as busy with nothing
+    /// in flight, so no wait can get it accepted.
+    fn fail_front_refused_when_drained(&mut self) {
+        let Some((job, _)) = self.queued.pop_front() else {
+            return;
+        };
+        self.counters.jobs_refused_when_drained += 1;
+        self.counters.jobs_failed += 1;
+        self.acks.push(JobAck {
+            job: job.id,
+            success: false,
+        });
     }
 
     fn submit(&mut self, job: Job, after: Option<E::Dependency>) {

@@ -392,6 +392,40 @@ fn without_the_obj_feature_an_object_tier_is_an_error_naming_its_entry() {
 }
 
 #[test]
+fn the_tier_wait_deadlines_have_keys_with_defaults_and_limits() {
+    let r = ConnectorConfig::from_toml_str("cpu_bytes_to_use = 1048576\nblock_size = 64\n")
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    assert_eq!(r.promotion_deadline_ns, 10_000_000_000);
+    assert_eq!(r.cascade_deadline_ns, 30_000_000_000);
+    assert_eq!(r.reset_drain_deadline_ns, 5_000_000_000);
+    let toml = "cpu_bytes_to_use = 1048576\nblock_size = 64\ncascade_deadline_ms = 250\n\
+                reset_drain_deadline_ms = 40\n";
+    let json = r#"{"cpu_bytes_to_use": 1048576, "block_size": 64,
+        "cascade_deadline_ms": 250, "reset_drain_deadline_ms": 40}"#;
+    for parsed in [
+        ConnectorConfig::from_toml_str(toml),
+        ConnectorConfig::from_json_str(json),
+    ] {
+        let r = parsed.and_then(|c| c.resolve(&engine())).expect("valid");
+        assert_eq!(r.cascade_deadline_ns, 250_000_000);
+        assert_eq!(r.reset_drain_deadline_ns, 40_000_000);
+    }
+    for key in [
+        "promotion_deadline_ms",
+        "cascade_deadline_ms",
+        "reset_drain_deadline_ms",
+    ] {
+        for bad in ["0", "86400001"] {
+            let text = format!("cpu_bytes_to_use = 1048576\nblock_size = 64\n{key} = {bad}\n");
+            assert_eq!(invalid_key(&text), key, "{key} = {bad}");
+        }
+        let text = format!("cpu_bytes_to_use = 1048576\nblock_size = 64\n{key} = -1\n");
+        assert!(error(&text).contains(key), "{}", error(&text));
+    }
+}
+
+#[test]
 fn p2p_etcd_settings_resolve_and_bad_ones_are_named() {
     let p2p = |fields: &str| {
         format!(
@@ -436,5 +470,30 @@ fn p2p_etcd_settings_resolve_and_bad_ones_are_named() {
             ", etcd_endpoints = [\"http://e:2379\"], etcd_lease_ttl_ms = 999"
         )),
         "secondary_tiers[0].etcd_lease_ttl_ms"
+    );
+}
+
+#[test]
+fn the_manager_gets_the_configured_deadlines() {
+    use std::sync::Arc;
+    let r = ConnectorConfig::from_toml_str(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\ncascade_deadline_ms = 7\n\
+         reset_drain_deadline_ms = 9\npromotion_deadline_ms = 11\n",
+    )
+    .and_then(|c| c.resolve(&engine()))
+    .expect("valid");
+    let memory: Arc<dyn offload_core::SlotMemory> = Arc::new(tier_testkit::VecSlotMemory::new(
+        r.pool.slot_count,
+        r.slot_bytes as usize,
+    ));
+    let manager = r.build_manager(memory, true).expect("manager");
+    let options = manager.options();
+    assert_eq!(
+        (
+            options.promotion_deadline_ns,
+            options.cascade_deadline_ns,
+            options.reset_drain_deadline_ns
+        ),
+        (11_000_000, 7_000_000, 9_000_000)
     );
 }

@@ -1088,6 +1088,9 @@ fn a_cascade_queued_behind_a_busy_tier_expires_its_pins_go_and_its_request_final
 /// reported exactly once.
 struct DrainBlocksUntilCancelled {
     inner: FakeTier,
+    /// Ignore `cancel` (a tier blocked in I/O that it cannot interrupt): its jobs end only when
+    /// the stall is lifted, and `drain` would block forever on them.
+    ignore_cancel: bool,
     open: std::collections::BTreeSet<JobId>,
     cancelled: std::collections::BTreeSet<JobId>,
     reported: std::collections::BTreeSet<JobId>,
@@ -1124,6 +1127,9 @@ impl Tier for DrainBlocksUntilCancelled {
         }
     }
     fn cancel(&mut self, id: JobId) {
+        if self.ignore_cancel {
+            return;
+        }
         self.cancelled.insert(id);
         self.inner.cancel(id);
     }
@@ -1150,6 +1156,7 @@ fn reset_against_a_stalled_tier_returns_at_its_deadline_and_counts_it() {
     let tier = SharedTier::new(
         DrainBlocksUntilCancelled {
             inner: FakeTier::new(dyn_memory, stalled()),
+            ignore_cancel: false,
             open: Default::default(),
             cancelled: Default::default(),
             reported: Default::default(),
@@ -1222,4 +1229,155 @@ fn reset_against_a_stalled_tier_returns_at_its_deadline_and_counts_it() {
         manager.outstanding()
     );
     assert_eq!(manager.counters().invariant_failures, 0);
+}
+
+/// A manager over a two-slot pool and one stalled tier that ignores `cancel` (its `drain` would
+/// block forever), on `clock` with a reset (and drain) deadline of five poll intervals.
+fn manager_over_a_tier_that_ignores_cancel(
+    clock: &connector::ManualClock,
+) -> (TieringManager, SharedTier<DrainBlocksUntilCancelled>) {
+    let deadline = 5 * connector::RESET_DRAIN_POLL_INTERVAL_NS;
+    let options = deadline_options(clock, u64::MAX, deadline);
+    let memory = Arc::new(VecSlotMemory::new(2, SLOT_BYTES));
+    let dyn_memory: Arc<dyn SlotMemory> = memory;
+    let tier = SharedTier::new(
+        DrainBlocksUntilCancelled {
+            inner: FakeTier::new(dyn_memory, stalled()),
+            ignore_cancel: true,
+            open: Default::default(),
+            cancelled: Default::default(),
+            reported: Default::default(),
+            reported_twice: 0,
+        },
+        10_000,
+    );
+    let host = HostPool::with_strictness(
+        PoolConfig {
+            slot_count: 2,
+            policy: EvictionPolicy::Lru,
+            reuse_threshold: 0,
+            events: true,
+        },
+        true,
+    )
+    .expect("pool config");
+    let manager = TieringManager::new(host, vec![tier.boxed()], options).expect("manager");
+    (manager, tier)
+}
+
+#[test]
+fn reset_against_a_tier_that_ignores_cancel_holds_its_slots_instead_of_blocking() {
+    // Issue 18 item 5: the reset returns at its deadline even though the tier never reports;
+    // the slots the tier may still read are held (never reused) until it does report.
+    let clock = connector::ManualClock::new();
+    let (mut manager, tier) = manager_over_a_tier_that_ignores_cancel(&clock);
+    let r = RequestId(1);
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(&[key(1), key(2)], r, &mut prepared)
+        .expect("room");
+    manager.complete_store(&prepared.keys, true);
+    let cascaded = prepared.slots.clone();
+    manager.reset();
+    let counters = manager.tier_counters(0).expect("tier");
+    assert_eq!(manager.counters().reset_drain_timeouts, 1);
+    assert_eq!(
+        (counters.reset_jobs_cancelled, counters.reset_jobs_held),
+        (1, 1)
+    );
+    assert_eq!(manager.tier_jobs_in_flight(), 1, "not reported yet");
+    assert_eq!(manager.host().held_slot_count(), 2);
+    assert!(cascaded.iter().all(|&s| manager.host().is_held(s)));
+    assert!(
+        manager.prepare_store(&[key(3)], r, &mut prepared).is_err(),
+        "a held slot is handed to no new key"
+    );
+    // Steps go on while the tier is stuck; then it reports: only then the slots are free.
+    manager.begin_step();
+    assert_eq!(manager.host().held_slot_count(), 2);
+    tier.with(|t| t.inner.faults_mut().stall = false);
+    manager.begin_step();
+    assert_eq!(manager.tier_jobs_in_flight(), 0);
+    assert_eq!(manager.host().held_slot_count(), 0);
+    assert_eq!(
+        manager.tier_counters(0).map(|c| c.reset_held_jobs_reported),
+        Some(1)
+    );
+    manager
+        .prepare_store(&[key(3), key(4)], r, &mut prepared)
+        .expect("both slots free again");
+    manager.complete_store(&prepared.keys, false);
+    manager.on_request_finished(r);
+    assert!(
+        manager.outstanding().is_empty(),
+        "{:?}",
+        manager.outstanding()
+    );
+    tier.with(|t| assert_eq!((t.reported.len(), t.reported_twice), (1, 0)));
+    assert_eq!(manager.counters().invariant_failures, 0);
+}
+
+#[test]
+fn drain_and_drop_return_at_the_deadline_against_a_tier_that_ignores_cancel() {
+    let clock = connector::ManualClock::new();
+    let (mut manager, tier) = manager_over_a_tier_that_ignores_cancel(&clock);
+    let r = RequestId(1);
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(&[key(1)], r, &mut prepared)
+        .expect("room");
+    manager.complete_store(&prepared.keys, true);
+    let start = connector::Clock::now_ns(&clock);
+    assert!(!manager.drain(), "the job is still in flight");
+    let waited = connector::Clock::now_ns(&clock) - start;
+    assert_eq!(waited, 5 * connector::RESET_DRAIN_POLL_INTERVAL_NS);
+    assert_eq!(manager.counters().drain_timeouts, 1);
+    assert_eq!(manager.tier_jobs_in_flight(), 1);
+    assert_eq!(manager.host().ref_count(key(1)), Some(1), "still pinned");
+    // Dropping the manager waits as long again, then returns (the tier's own drop ends its I/O).
+    drop(manager);
+    assert_eq!(
+        connector::Clock::now_ns(&clock) - start,
+        10 * connector::RESET_DRAIN_POLL_INTERVAL_NS
+    );
+    tier.with(|t| assert_eq!(t.reported.len(), 0));
+}
+
+#[test]
+fn a_slot_a_pre_reset_store_still_writes_is_not_handed_to_a_promotion() {
+    // Issue 18 item 2: a GPU store into slot S is in flight at the reset. A promotion that got S
+    // would have a tier thread fill it while the GPU stream still writes it.
+    let mut f = fixture(1, 1);
+    keys_only_in_the_tier(&mut f, &[key(9)]);
+    let mut prepared = PreparedStore::default();
+    f.manager
+        .prepare_store(&[key(1)], RequestId(1), &mut prepared)
+        .expect("room");
+    let slot = prepared.slots[0];
+    f.manager.reset();
+    let r = RequestId(2);
+    assert_eq!(
+        f.manager.lookup(key(9), r),
+        LookupResult::Miss,
+        "no free slot while the pre-reset store may write it"
+    );
+    assert!(f.manager.host().is_held(slot));
+    f.manager.end_step();
+    assert_eq!(f.manager.tier_counters(0).map(|c| c.load_jobs), Some(0));
+    // The store's last acknowledgement ends the hold (the scheduler calls release_held).
+    f.manager.release_held(&[slot]);
+    f.manager.begin_step();
+    assert_eq!(
+        f.manager.lookup(key(9), RequestId(3)),
+        LookupResult::Pending
+    );
+    f.manager.end_step();
+    assert_eq!(f.manager.tier_counters(0).map(|c| c.load_jobs), Some(1));
+    assert!(wait_and_load(&mut f, RequestId(3), &[key(9)], 10).is_some());
+    f.manager.complete_load(&[key(9)]);
+    for id in [1, 2, 3] {
+        f.manager.on_request_finished(RequestId(id));
+    }
+    f.manager.begin_step();
+    every_job_reported_once(&f);
 }

@@ -15,10 +15,15 @@ enum Event {
     Drain,
 }
 
-/// Completes a job on the second poll after its submit; holds at most `max` jobs; refuses job
-/// ids listed in `bad` as not fitting the layout.
+/// Completes a job on the `latency + 1`-th poll after its submit (the second by default); holds
+/// at most `max` jobs; refuses job ids listed in `bad` as not fitting the layout.
 struct Scripted {
     max: usize,
+    latency: u32,
+    /// Refuse every submit as busy, even when idle (a broken or wedged engine).
+    always_busy: bool,
+    /// Submit calls so far; a caller that loops on a busy engine without bound trips a panic.
+    submit_calls: u32,
     bad: Vec<u64>,
     held: VecDeque<(Job, u32)>,
     log: Vec<Event>,
@@ -30,6 +35,9 @@ impl Scripted {
     fn new(max: usize) -> Self {
         Self {
             max,
+            latency: 1,
+            always_busy: false,
+            submit_calls: 0,
             bad: Vec::new(),
             held: VecDeque::new(),
             log: Vec::new(),
@@ -49,14 +57,19 @@ impl TransferEngine for Scripted {
                 source: PlanError::Layout("refused".to_owned()),
             });
         }
-        if self.held.len() >= self.max {
+        self.submit_calls += 1;
+        assert!(
+            self.submit_calls < 10_000,
+            "the caller retries a busy engine forever"
+        );
+        if self.always_busy || self.held.len() >= self.max {
             return Err(TransferError::Busy {
                 in_flight: self.held.len(),
             });
         }
         self.log.push(Event::Submit(job.id.0));
         self.after.push((job.id.0, after));
-        self.held.push_back((job.clone(), 1));
+        self.held.push_back((job.clone(), self.latency));
         Ok(())
     }
     fn poll(&mut self, out: &mut Vec<TransferDone>) {
@@ -233,5 +246,92 @@ fn loads_wait_for_the_reads_and_stores_for_the_writes_of_the_compute() {
     assert!(
         w.counters().submits_busy > 0,
         "some jobs waited in the queue"
+    );
+}
+
+#[test]
+fn a_reset_ends_every_queued_older_job_even_behind_a_busy_engine() {
+    // Issue 18 item 2: the engine holds one job; later ones wait in the handle's queue. A reset
+    // must end all of them before anything newer runs: none may be submitted after the reset,
+    // when its slots and blocks may already belong to newer jobs.
+    let mut engine = Scripted::new(1);
+    engine.latency = 3;
+    let mut w = WorkerHandle::new(0, engine);
+    w.after_compute(
+        &ConnectorMeta {
+            stores: (1..5).map(|i| job(i, JobKind::Store)).collect(),
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    assert_eq!(
+        w.engine().log,
+        vec![Event::Submit(1)],
+        "jobs 2-4 wait in the handle's queue"
+    );
+    let reset = ConnectorMeta {
+        reset_before: Some(JobId(5)),
+        loads: vec![job(5, JobKind::Load)],
+        ..ConnectorMeta::default()
+    };
+    w.before_compute(&reset, None);
+    w.after_compute(&reset, None);
+    let mut outputs = Vec::new();
+    for _ in 0..20 {
+        outputs.push(w.take_output());
+    }
+    let log = &w.engine().log;
+    let drain = log
+        .iter()
+        .position(|e| *e == Event::Drain)
+        .expect("the reset drains the engine");
+    let late: Vec<&Event> = log[drain..]
+        .iter()
+        .filter(|e| matches!(e, Event::Submit(id) if *id < 5))
+        .collect();
+    assert!(
+        late.is_empty(),
+        "pre-reset jobs submitted after the reset: {late:?}"
+    );
+    assert_eq!(
+        acked(&outputs),
+        vec![(1, true), (2, false), (3, false), (4, false), (5, true)],
+        "every job reported exactly once; the queued ones cancelled"
+    );
+    assert_eq!(w.counters().jobs_cancelled_at_reset, 3);
+}
+
+#[test]
+fn drain_and_flush_end_against_an_engine_that_stays_busy_when_idle() {
+    // Issue 18 item 5: the worker's drain and flush loops retried a busy engine forever. A
+    // drained engine that still refuses will never take the job: it is acknowledged as failed.
+    let mut engine = Scripted::new(8);
+    engine.always_busy = true;
+    let mut w = WorkerHandle::new(0, engine);
+    w.after_compute(
+        &ConnectorMeta {
+            stores: (1..4).map(|i| job(i, JobKind::Store)).collect(),
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    w.before_compute(
+        &ConnectorMeta {
+            flush: vec![JobId(1)],
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    assert_eq!(
+        acked(&[w.take_output()]),
+        vec![(1, false)],
+        "the flushed store failed"
+    );
+    w.drain();
+    assert_eq!(acked(&[w.take_output()]), vec![(2, false), (3, false)]);
+    assert_eq!(w.counters().jobs_refused_when_drained, 3);
+    assert!(
+        acked(&[w.take_output()]).is_empty(),
+        "each job reported once"
     );
 }

@@ -319,6 +319,10 @@ impl<M: OffloadManager> OffloadManager for CheckedManager<M> {
         self.record(ManagerCall::Reset);
     }
 
+    fn release_held(&mut self, slots: &[SlotId]) {
+        self.inner.release_held(slots);
+    }
+
     fn take_events(&mut self, out: &mut Vec<KvEvent>) {
         self.inner.take_events(out);
     }
@@ -369,6 +373,7 @@ mod tests {
         fn complete_store(&mut self, _: &[ChunkKey], _: bool) {}
         fn on_request_finished(&mut self, _: RequestId) {}
         fn reset(&mut self) {}
+        fn release_held(&mut self, _: &[SlotId]) {}
         fn take_events(&mut self, _: &mut Vec<KvEvent>) {}
     }
 

@@ -5,6 +5,9 @@
 //!
 //! Copies happen when a job *completes*, the latest moment a real transfer could touch memory:
 //! a store therefore reads its source blocks as late as possible, which exposes a missing fence.
+//! A reset (`reset_before`) drains the jobs older than it, as a real worker does: they are on a
+//! GPU stream already, so they complete and make their copies (their acknowledgements are then
+//! ignored by the scheduler). A slot or block they write must not have been handed on before.
 
 use std::collections::VecDeque;
 
@@ -56,8 +59,9 @@ pub struct Completion {
     pub job: Job,
     /// Whether this worker's part succeeded.
     pub success: bool,
-    /// It was cancelled by `reset_before` (no copy was made).
-    pub cancelled: bool,
+    /// It was older than a reset and drained by its `reset_before` (its copies were made; its
+    /// acknowledgement is ignored by the scheduler).
+    pub before_reset: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -124,7 +128,7 @@ impl Worker {
         done: &mut Vec<Completion>,
     ) {
         if let Some(before) = meta.reset_before {
-            self.cancel_before(before, done);
+            self.drain_before(before, env, done);
         }
         for &id in &meta.flush {
             self.flush(id, env, done);
@@ -196,22 +200,16 @@ impl Worker {
         }
     }
 
-    fn cancel_before(&mut self, before: JobId, done: &mut Vec<Completion>) {
-        for queue in [&mut self.loads, &mut self.stores] {
-            let (old, keep): (VecDeque<Pending>, VecDeque<Pending>) =
-                queue.drain(..).partition(|p| p.job.id < before);
-            *queue = keep;
-            for p in old {
-                self.acks.push(JobAck {
-                    job: p.job.id,
-                    success: false,
-                });
-                done.push(Completion {
-                    worker: self.rank,
-                    job: p.job,
-                    success: false,
-                    cancelled: true,
-                });
+    /// Completes every job older than `before`, copies included, in submission order per
+    /// direction (loads first), as a real worker drains its streams at a reset.
+    fn drain_before(&mut self, before: JobId, env: &mut WorkerEnv<'_>, done: &mut Vec<Completion>) {
+        let old_loads: Vec<Pending> = take_older(&mut self.loads, before);
+        let old_stores: Vec<Pending> = take_older(&mut self.stores, before);
+        for p in old_loads.into_iter().chain(old_stores) {
+            let at = done.len();
+            self.complete(p, env, done);
+            for c in &mut done[at..] {
+                c.before_reset = true;
             }
         }
     }
@@ -261,9 +259,17 @@ impl Worker {
             worker: self.rank,
             job: p.job,
             success,
-            cancelled: false,
+            before_reset: false,
         });
     }
+}
+
+/// Removes the jobs older than `before` from `queue`, keeping their order.
+fn take_older(queue: &mut VecDeque<Pending>, before: JobId) -> Vec<Pending> {
+    let (old, keep): (VecDeque<Pending>, VecDeque<Pending>) =
+        queue.drain(..).partition(|p| p.job.id < before);
+    *queue = keep;
+    old.into()
 }
 
 fn scribble(direction: CopyDirection, env: &mut WorkerEnv<'_>, copies: &[BlockCopy]) {
@@ -449,7 +455,7 @@ mod tests {
     }
 
     #[test]
-    fn reset_cancels_older_jobs_without_copying() {
+    fn reset_drains_older_jobs_with_their_copies() {
         let mut fx = Fixture::new();
         let faults = WorkerFaults {
             store_delay_max: 1000,
@@ -466,7 +472,7 @@ mod tests {
             step += 1;
         }
         assert!(w.in_flight() > 0);
-        let host_before = fx.host.slot(SlotId(0));
+        fx.host.bytes_mut()[..8].fill(0);
         let done_before = done.len();
         let reset = ConnectorMeta {
             reset_before: Some(JobId(1_000)),
@@ -476,7 +482,11 @@ mod tests {
         assert_eq!(w.in_flight(), 0);
         assert!(done[done_before..]
             .iter()
-            .all(|c| c.cancelled && !c.success));
-        assert_eq!(fx.host.slot(SlotId(0)), host_before);
+            .all(|c| c.before_reset && c.success));
+        assert_eq!(
+            fx.host.slot(SlotId(0))[..8],
+            *fx.gpu.block(BlockId(0)),
+            "the drained store made its copy, as a GPU stream would"
+        );
     }
 }

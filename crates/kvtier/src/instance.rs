@@ -129,6 +129,10 @@ impl OffloadManager for TimedManager {
         self.inner.reset();
     }
 
+    fn release_held(&mut self, slots: &[SlotId]) {
+        self.inner.release_held(slots);
+    }
+
     fn take_events(&mut self, out: &mut Vec<KvEvent>) {
         self.inner.take_events(out);
     }

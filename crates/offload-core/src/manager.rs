@@ -64,10 +64,18 @@ pub trait OffloadManager {
     /// The request finished and every store it will ever prepare was prepared. Called exactly once.
     fn on_request_finished(&mut self, request: RequestId);
 
-    /// Drops every chunk, also those being written or read. The caller guarantees that no slot is
-    /// handed to a new job before every older job finished (workers finish jobs older than
-    /// `ConnectorMeta::reset_before` before they touch any slot).
+    /// Drops every chunk, also those being written or read. The slot of a chunk being written or
+    /// read is not freed but *held*, one hold per job in flight on it (its writer, each of its
+    /// readers): a transfer in flight may still write it, so it is handed to no new key until
+    /// [`OffloadManager::release_held`] ended every hold. The caller ends each hold once the job
+    /// is over (acknowledged by every worker, reported by its tier), or at once for a job that
+    /// was never sent.
     fn reset(&mut self);
+
+    /// Ends one hold on each of `slots`, taken by a [`OffloadManager::reset`] for a job in flight
+    /// then: call it once per slot of such a job, when that job is over. A slot whose last hold
+    /// ends is free again. Ending a hold on a slot that is not held is a broken invariant.
+    fn release_held(&mut self, slots: &[SlotId]);
 
     /// Moves the events gathered since the last call into `out`.
     fn take_events(&mut self, out: &mut Vec<KvEvent>);

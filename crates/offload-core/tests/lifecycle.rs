@@ -99,6 +99,11 @@ impl OffloadManager for Logged {
         self.log.push("reset".to_string());
         self.pool.reset()
     }
+    fn release_held(&mut self, slots: &[SlotId]) {
+        let names: Vec<String> = slots.iter().map(|s| s.0.to_string()).collect();
+        self.log.push(format!("release_held [{}]", names.join(",")));
+        self.pool.release_held(slots)
+    }
     fn take_events(&mut self, out: &mut Vec<KvEvent>) {
         self.pool.take_events(out)
     }
@@ -398,7 +403,10 @@ fn reset_finalizes_a_finished_request_exactly_once_and_rewinds_live_ones() {
     }));
     let cancelled = s.reset_cache();
     assert!(cancelled.loads.is_empty());
-    assert_eq!(released(&mut s), vec![RequestId(5)]);
+    assert!(
+        released(&mut s).is_empty(),
+        "request 5's store may still read its blocks"
+    );
     let meta2 = s.build_connector_meta(&step_one(2, &[], &[]));
     assert_eq!(
         meta2.reset_before,
@@ -410,9 +418,12 @@ fn reset_finalizes_a_finished_request_exactly_once_and_rewinds_live_ones() {
         vec![RequestId(5)],
         "signalled by the reset, once"
     );
-    // Late acknowledgements of pre-reset jobs are ignored.
+    // Late acknowledgements of pre-reset jobs complete nothing, but end the holds on their
+    // slots and release request 5's blocks.
     ack_all(&mut s, &job_ids(&meta1), 1, true);
     assert_eq!(s.stats().stale_acks, 2);
+    assert_eq!(released(&mut s), vec![RequestId(5)]);
+    assert_eq!(s.stale_jobs(), 0);
     // Request 6 is alive with its cursor rewound: its chunk is stored again.
     let again = [StepRequest {
         id: RequestId(6),
@@ -756,4 +767,70 @@ fn release_mode_disables_a_broken_request_and_goes_on() {
     assert!(meta2.stores.iter().all(|j| j.request != RequestId(20)));
     assert!(meta2.finished.contains(&RequestId(20)));
     assert_eq!(s.stats().requests_disabled, 1, "counted once");
+}
+
+#[test]
+fn a_slot_written_by_a_store_in_flight_at_reset_is_not_reused_until_the_store_is_acked() {
+    // One host slot. Request 1's store job writes it and is still in flight at the reset; a
+    // worker (a GPU stream) may still write the slot until it acknowledges the job.
+    let mut s = scheduler(1, 2);
+    for id in [1, 2] {
+        s.on_new_request(NewRequest {
+            id: RequestId(id),
+            prompt_tokens: 8,
+            max_offload_tokens: None,
+        });
+    }
+    let (t1, h1) = (blocks(0..2), hashes(1, 2));
+    let meta1 = s.build_connector_meta(&step_one(1, &[prefill(1, 8, &t1, &h1)], &[]));
+    assert_eq!(meta1.stores.len(), 1);
+    let slot = meta1.stores[0].transfers[0].slot;
+    // One of the two workers acknowledges before the reset; the other has not.
+    s.update_connector_output(&[WorkerOutput {
+        worker: 0,
+        acks: vec![JobAck {
+            job: meta1.stores[0].id,
+            success: true,
+        }],
+    }]);
+    s.reset_cache();
+    // Request 2 wants to store: the only slot is still held by the pre-reset store.
+    let (t2, h2) = (blocks(2..4), hashes(2, 2));
+    let meta2 = s.build_connector_meta(&step_one(2, &[prefill(2, 8, &t2, &h2)], &[]));
+    let reused: Vec<SlotId> = meta2
+        .stores
+        .iter()
+        .flat_map(|j| j.transfers.iter().map(|t| t.slot))
+        .collect();
+    assert!(
+        !reused.contains(&slot),
+        "slot {slot:?} handed to a new store while the pre-reset store may still write it"
+    );
+    assert_eq!(s.manager().pool.held_slot_count(), 1);
+    // The second worker's acknowledgement ends the job: the slot is free again.
+    s.update_connector_output(&[WorkerOutput {
+        worker: 1,
+        acks: vec![JobAck {
+            job: meta1.stores[0].id,
+            success: true,
+        }],
+    }]);
+    assert_eq!(s.manager().pool.held_slot_count(), 0);
+    let more = [StepRequest {
+        id: RequestId(2),
+        num_computed_tokens: 8,
+        num_scheduled_tokens: 1,
+        num_tokens: 9,
+        new_block_ids: &[],
+        replace_blocks: false,
+        block_hashes: &h2,
+    }];
+    let meta3 = s.build_connector_meta(&step_one(3, &more, &[]));
+    assert_eq!(
+        meta3.stores.len(),
+        1,
+        "the slot is free again after the ack"
+    );
+    assert_eq!(meta3.stores[0].transfers[0].slot, slot);
+    assert!(log(&mut s).contains(&format!("release_held [{}]", slot.0)));
 }

@@ -34,6 +34,8 @@ pub struct RefModel {
     slot_count: u32,
     exact_lru: bool,
     present: BTreeMap<ChunkKey, Entry>,
+    /// Slots held since a reset (a job was writing or reading them then): slot -> holds.
+    held: BTreeMap<u32, u32>,
     /// Recency, least recent first (only kept exactly with LRU).
     recency: Vec<ChunkKey>,
 }
@@ -46,6 +48,7 @@ impl RefModel {
             slot_count,
             exact_lru,
             present: BTreeMap::new(),
+            held: BTreeMap::new(),
             recency: Vec::new(),
         }
     }
@@ -276,7 +279,8 @@ impl<M: OffloadManager> OffloadManager for Lockstep<M> {
                 new.push(k);
             }
         }
-        let free = self.model.slot_count as usize - self.model.present.len();
+        let free =
+            self.model.slot_count as usize - self.model.present.len() - self.model.held.len();
         let to_evict = new.len().saturating_sub(free);
         let candidates: Vec<ChunkKey> = self
             .model
@@ -331,7 +335,10 @@ impl<M: OffloadManager> OffloadManager for Lockstep<M> {
         }
         let used: BTreeSet<u32> = self.model.present.values().map(|e| e.slot).collect();
         for (k, s) in out.keys.clone().iter().zip(out.slots.clone()) {
-            if s.0 >= self.model.slot_count || used.contains(&s.0) {
+            if s.0 >= self.model.slot_count
+                || used.contains(&s.0)
+                || self.model.held.contains_key(&s.0)
+            {
                 self.disagree(format!(
                     "prepare_store gave {k:?} slot {}, out of range or held by another chunk",
                     s.0
@@ -404,8 +411,30 @@ impl<M: OffloadManager> OffloadManager for Lockstep<M> {
             ));
         }
         self.events.append(&mut self.scratch);
+        for e in self.model.present.values() {
+            let holds = u32::from(e.writing) + e.readers;
+            if holds > 0 {
+                *self.model.held.entry(e.slot).or_insert(0) += holds;
+            }
+        }
         self.model.present.clear();
         self.model.recency.clear();
+    }
+
+    fn release_held(&mut self, slots: &[SlotId]) {
+        self.calls += 1;
+        self.inner.release_held(slots);
+        for s in slots {
+            match self.model.held.get_mut(&s.0) {
+                Some(n) => {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.model.held.remove(&s.0);
+                    }
+                }
+                None => self.disagree(format!("release_held of slot {}, not held", s.0)),
+            }
+        }
     }
 
     fn take_events(&mut self, out: &mut Vec<KvEvent>) {
@@ -489,6 +518,9 @@ mod tests {
         }
         fn reset(&mut self) {
             self.0.reset();
+        }
+        fn release_held(&mut self, slots: &[SlotId]) {
+            self.0.release_held(slots);
         }
         fn take_events(&mut self, o: &mut Vec<KvEvent>) {
             self.0.take_events(o);

@@ -105,6 +105,11 @@ pub struct FsTierConfig {
     /// runs), while stores straight from the slots were as fast as through bounce buffers with
     /// half the CPU, so stores always take that path.
     pub zero_copy_loads: bool,
+    /// How long a shutdown (and so a drop) waits for the jobs in flight, and then as long again
+    /// for the worker threads to end (default 30 s). Past it the jobs stay unreported and the threads run on detached, each keeping the host
+    /// memory (its `Arc`) and, for the writer, the directory lock, so nothing they may still
+    /// touch is freed or taken by another instance.
+    pub shutdown_deadline: Duration,
 }
 
 impl FsTierConfig {
@@ -130,6 +135,7 @@ impl FsTierConfig {
             quiet: false,
             faults: FaultPlan::default(),
             zero_copy_loads: false,
+            shutdown_deadline: Duration::from_secs(30),
         }
     }
 
@@ -176,6 +182,9 @@ impl FsTierConfig {
         }
         if self.batch_bytes_max < crate::format::HEADER_BYTES {
             return fail("batch_bytes_max", "must be at least 4096");
+        }
+        if self.shutdown_deadline.is_zero() {
+            return fail("shutdown_deadline", "must be positive");
         }
         if self.shared_dir && self.probe_deadline.is_zero() {
             return fail("probe_deadline", "must be positive when shared_dir is set");

@@ -9,6 +9,8 @@
 //!   it), so the file really is short (write) or the buffer really is incomplete (read).
 //! - `Corrupt`: one payload byte is flipped after the checksum was computed (write: the file on
 //!   disk is corrupt) or after the read (read: the buffer is corrupt).
+//! - `Stall`: the writer hangs at the call (a disk that stops answering) until
+//!   `FsTier::release_stalls` or for 10 s; then it goes on as if nothing happened (open only).
 
 use std::io;
 
@@ -38,6 +40,8 @@ pub enum Fault {
     Short,
     /// A flipped payload byte (write, read).
     Corrupt,
+    /// The call hangs until released (open).
+    Stall,
 }
 
 impl Fault {
@@ -47,6 +51,7 @@ impl Fault {
             Fault::Einval | Fault::Eio => true,
             Fault::Enospc => site != FaultSite::Read,
             Fault::Short | Fault::Corrupt => site != FaultSite::Open,
+            Fault::Stall => site == FaultSite::Open,
         }
     }
 
@@ -56,7 +61,7 @@ impl Fault {
             Fault::Einval => libc::EINVAL,
             Fault::Enospc => libc::ENOSPC,
             Fault::Eio => libc::EIO,
-            Fault::Short | Fault::Corrupt => return None,
+            Fault::Short | Fault::Corrupt | Fault::Stall => return None,
         };
         Some(io::Error::from_raw_os_error(errno))
     }

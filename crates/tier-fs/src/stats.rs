@@ -102,6 +102,14 @@ pub struct FsStats {
     pub probes: u64,
     /// Probes that found a chunk written by another instance.
     pub probe_hits: u64,
+    /// Shutdowns whose wait for the jobs in flight passed `shutdown_deadline` (those jobs are
+    /// never reported; the memory and directory they may still use stay theirs).
+    pub shutdown_timeouts: u64,
+    /// Worker threads a shutdown left running past its deadline (detached, holding the host
+    /// memory and, for the writer, the directory lock until the process ends).
+    pub threads_detached: u64,
+    /// Injected stalls entered (tests).
+    pub stalls: u64,
     /// Failed chunks by kind, indexed like [`FailureKind::ALL`].
     pub failures: [u64; 10],
 }
@@ -144,6 +152,9 @@ pub(crate) struct StatsCell {
     pub(crate) segments_sealed: AtomicU64,
     pub(crate) probes: AtomicU64,
     pub(crate) probe_hits: AtomicU64,
+    pub(crate) shutdown_timeouts: AtomicU64,
+    pub(crate) threads_detached: AtomicU64,
+    pub(crate) stalls: AtomicU64,
     failures: [AtomicU64; 10],
 }
 
@@ -188,6 +199,9 @@ impl StatsCell {
             segments_sealed: get(&self.segments_sealed),
             probes: get(&self.probes),
             probe_hits: get(&self.probe_hits),
+            shutdown_timeouts: get(&self.shutdown_timeouts),
+            threads_detached: get(&self.threads_detached),
+            stalls: get(&self.stalls),
             failures,
         }
     }

@@ -13,8 +13,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvError, Sender, TryRecvError, TrySendError};
+use crossbeam_channel::{
+    Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError, TrySendError,
+};
 use offload_core::tier::{
     SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
 };
@@ -32,9 +35,12 @@ use crate::scan::{scan, SweepPolicy};
 use crate::stats::{add, FailureKind, FsStats, StatsCell};
 use crate::worker::{Msg, Shared, Worker, WorkerSettings};
 
+/// How often a shutdown checks whether the worker threads ended.
+const STOP_POLL_INTERVAL: Duration = Duration::from_millis(1);
+
 /// The disk tier. Start it with [`FsTier::start`]; it implements [`Tier`].
 ///
-/// Dropping it shuts it down (cancels, drains, joins the worker).
+/// Dropping it shuts it down (cancels, drains, joins the workers, within `shutdown_deadline`).
 pub struct FsTier {
     shared: Arc<Shared>,
     engine_name: &'static str,
@@ -57,6 +63,8 @@ pub struct FsTier {
     workers: Vec<JoinHandle<()>>,
     prober: Option<Prober>,
     shut_down: bool,
+    /// How long a shutdown waits for jobs and threads (see [`FsTierConfig::shutdown_deadline`]).
+    shutdown_deadline: Duration,
     /// Holds the namespace directory's lock (see `prepare_dirs`) until the tier shuts down.
     dir_lock: Option<File>,
 }
@@ -267,8 +275,30 @@ impl FsTier {
             workers,
             prober,
             shut_down: false,
+            shutdown_deadline: config.shutdown_deadline,
             dir_lock: Some(dir_lock),
         })
+    }
+
+    /// Ends every injected stall ([`crate::Fault::Stall`]; tests).
+    pub fn release_stalls(&self) {
+        self.shared.stalls_released.store(true, Ordering::Release);
+    }
+
+    /// Receives completions until no job is awaited or `deadline` passes; `false` then.
+    fn drain_until(&mut self, deadline: Instant) -> bool {
+        while self.awaiting() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.done.recv_timeout(left) {
+                Ok(completion) => self.ready.push_back(completion),
+                Err(RecvTimeoutError::Timeout) => return false,
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.fail_orphans();
+                    break;
+                }
+            }
+        }
+        true
     }
 
     /// A snapshot of the counters.
@@ -383,7 +413,10 @@ impl FsTier {
         self.in_flight.len() - self.ready.len()
     }
 
-    fn stop_worker(&mut self) {
+    /// Tells every worker to stop and joins those that end by `deadline` (polling; a thread
+    /// cannot be interrupted in a system call); the others are detached and counted. Returns
+    /// whether every worker ended.
+    fn stop_worker(&mut self, deadline: Instant) -> bool {
         if let Some(stores) = self.stores.take() {
             let _ = stores.send(Msg::Stop);
         }
@@ -392,12 +425,26 @@ impl FsTier {
                 let _ = jobs.send(Msg::Stop);
             }
         }
-        for worker in self.workers.drain(..) {
-            let _ = worker.join();
+        let mut running: Vec<JoinHandle<()>> = self.workers.drain(..).collect();
+        loop {
+            let (done, left): (Vec<_>, Vec<_>) = running.into_iter().partition(|w| w.is_finished());
+            for worker in done {
+                let _ = worker.join();
+            }
+            running = left;
+            if running.is_empty() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(STOP_POLL_INTERVAL);
         }
+        let detached = running.len() as u64;
+        // Dropping a handle detaches its thread, which keeps its own `Arc` of the host memory.
+        drop(running);
+        add(&self.shared.stats.threads_detached, detached);
         if let Some(mut prober) = self.prober.take() {
             prober.stop();
         }
+        detached == 0
     }
 }
 
@@ -532,10 +579,20 @@ impl Tier for FsTier {
                 self.cancel(id);
             }
         }
-        self.drain();
-        self.stop_worker();
-        // Nothing touches the directory any more: another instance may take it now.
-        self.dir_lock = None;
+        let deadline = Instant::now() + self.shutdown_deadline;
+        if !self.drain_until(deadline) {
+            // Jobs still in flight stay unreported: their slots stay theirs.
+            add(&self.shared.stats.shutdown_timeouts, 1);
+        }
+        // The threads get as long again to see their stop message and end.
+        if self.stop_worker(Instant::now() + self.shutdown_deadline) {
+            // Nothing touches the directory any more: another instance may take it now.
+            self.dir_lock = None;
+        } else if let Some(lock) = self.dir_lock.take() {
+            // A detached worker may still write the directory: it stays locked (the descriptor
+            // is leaked on purpose) for the life of the process.
+            std::mem::forget(lock);
+        }
     }
 }
 

@@ -49,7 +49,7 @@ use std::fs::File;
 use std::io;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -81,6 +81,9 @@ const SUBMIT_BYTES_MIN: usize = 1 << 20;
 /// The most bytes one merged read of neighbouring records moves.
 const READ_MERGE_BYTES_MAX: u64 = 16 << 20;
 
+/// The longest an injected stall lasts when nothing releases it (so a test never hangs).
+const STALL_MAX: Duration = Duration::from_secs(10);
+
 /// State shared by the front end, the workers and the prober.
 ///
 /// The root's I/O mode is `stats.direct_io` (O_DIRECT until the first EINVAL).
@@ -96,6 +99,8 @@ pub(crate) struct Shared {
     next_sequence: AtomicU32,
     /// Injected faults, shared by the workers (so that counts and limits are global).
     faults: Option<Mutex<FaultState>>,
+    /// Injected stalls end once this is set (tests).
+    pub(crate) stalls_released: AtomicBool,
 }
 
 impl Shared {
@@ -107,6 +112,7 @@ impl Shared {
             instance,
             next_sequence: AtomicU32::new(0),
             faults: (!faults.is_empty()).then(|| Mutex::new(FaultState::new(faults))),
+            stalls_released: AtomicBool::new(false),
         }
     }
 
@@ -1183,6 +1189,16 @@ impl Worker {
         }
         let direct = self.segments[at].direct;
         match self.shared.fault(FaultSite::Open, key, direct) {
+            Some(Fault::Stall) => {
+                add(&self.stats().stalls, 1);
+                let start = std::time::Instant::now();
+                while !self.shared.stalls_released.load(Ordering::Acquire)
+                    && start.elapsed() < STALL_MAX
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Ok(())
+            }
             Some(Fault::Einval) => {
                 let path = Arc::clone(&self.segments[at].path);
                 self.fall_back(&format!("open {path:?} with O_DIRECT: injected EINVAL"));

@@ -711,3 +711,60 @@ fn namespace_directory_is_private_and_locked() {
     assert_eq!(again.tier.chunk_count(), 4);
     again.tier.shutdown();
 }
+
+#[test]
+fn shutdown_returns_at_its_deadline_when_the_disk_hangs_and_keeps_memory_and_directory() {
+    // Issue 18 item 5: a writer stuck in I/O held shutdown (and every drop) forever. Now the
+    // shutdown gives up at its deadline, counts it, leaves the job unreported, and the stuck
+    // thread keeps the host memory and the directory lock until it really ends.
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(FsTierConfig {
+        faults: FaultPlan::new(vec![FaultRule::on_key(
+            FaultSite::Open,
+            Fault::Stall,
+            key(1),
+        )]),
+        shutdown_deadline: std::time::Duration::from_millis(500),
+        ..config(dir.path(), EngineChoice::Sync)
+    });
+    let job = offload_core::tier::TierJob {
+        id: offload_core::JobId(1),
+        request: None,
+        op: offload_core::tier::TierOp::Store,
+        chunks: vec![(key(1), offload_core::SlotId(0), FULL)],
+    };
+    rig.tier.submit(job).expect("accepted");
+    let start = std::time::Instant::now();
+    while rig.tier.stats().stalls == 0 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the writer never reached the stall"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let memory = Arc::clone(&rig.memory);
+    rig.tier.shutdown();
+    let stats = rig.tier.stats();
+    assert_eq!((stats.shutdown_timeouts, stats.threads_detached), (1, 1));
+    let mut out = Vec::new();
+    rig.tier.poll(&mut out);
+    assert!(
+        out.is_empty(),
+        "a job that may still run is never reported: {out:?}"
+    );
+    // The stuck writer still holds the host memory (ours, the rig's, its own).
+    assert_eq!(Arc::strong_count(&memory), 3);
+    // And the directory: another tier over it is refused while the writer may write it.
+    let other: Arc<dyn SlotMemory> = Arc::new(tier_testkit::VecSlotMemory::new(4, SLOT_BYTES));
+    assert!(
+        FsTier::start(config(dir.path(), EngineChoice::Sync), other).is_err(),
+        "the directory was handed on while its writer may still write it"
+    );
+    // Once the disk answers, the writer ends and lets the memory go.
+    rig.tier.release_stalls();
+    let start = std::time::Instant::now();
+    while Arc::strong_count(&memory) > 2 {
+        assert!(start.elapsed() < DEADLINE, "the writer never ended");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}

@@ -77,7 +77,7 @@ impl<C: EngineConnector> Sim<C> {
             self.count_ack(c);
             match c.job.kind {
                 JobKind::Store if c.success => self.verify_store(c),
-                JobKind::Load if !c.cancelled => self.check_load_target(c),
+                JobKind::Load => self.check_load_target(c),
                 _ => {}
             }
         }

@@ -25,6 +25,8 @@ mod model_tests;
 #[cfg(test)]
 mod tests;
 
+use std::collections::BTreeMap;
+
 use crate::event::{KvEvent, Medium};
 use crate::invariant;
 use crate::key::{ChunkKey, LookupResult, RequestId, SlotId};
@@ -294,6 +296,10 @@ pub struct HostPool {
     free_count: u32,
     /// Present slots with reference count 0.
     idle_count: u32,
+    /// Slots a job in flight at a reset still writes or reads, with the number of such jobs
+    /// (holds): neither present nor free until [`OffloadManager::release_held`] ends the last
+    /// hold. Touched only by `reset` and `release_held`, never on the hot path.
+    held: BTreeMap<u32, u32>,
     policy: Policy,
     tracker: Option<ReuseTracker>,
     stats: Stats,
@@ -382,6 +388,7 @@ impl HostPool {
             free_head: NIL,
             free_count: 0,
             idle_count: 0,
+            held: BTreeMap::new(),
             policy,
             tracker,
             stats: Stats::default(),
@@ -414,7 +421,18 @@ impl HostPool {
 
     /// Number of present keys (ready or being written).
     pub fn len(&self) -> usize {
-        (self.config.slot_count - self.free_count) as usize
+        (self.config.slot_count - self.free_count) as usize - self.held.len()
+    }
+
+    /// Number of slots held since a reset for jobs that were in flight then (neither present nor
+    /// free; see [`OffloadManager::release_held`]).
+    pub fn held_slot_count(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether `slot` is held since a reset for a job that was in flight then.
+    pub fn is_held(&self, slot: SlotId) -> bool {
+        self.held.contains_key(&slot.0)
     }
 
     /// Whether no key is present.
@@ -552,8 +570,16 @@ impl HostPool {
                 return Err(format!("slot {i}'s key is not found in the key table"));
             }
         }
-        if present + free != c {
-            return Err(format!("{present} present + {free} free != {c} slots"));
+        for &h in self.held.keys() {
+            if self.slots.get(h as usize).is_none_or(Slot::present) {
+                return Err(format!("held slot {h} is present or out of range"));
+            }
+        }
+        let held = self.held.len();
+        if present + free + held != c {
+            return Err(format!(
+                "{present} present + {free} free + {held} held != {c} slots"
+            ));
         }
         if idle != self.idle_count {
             return Err(format!(
@@ -641,20 +667,28 @@ impl HostPool {
         hash_at(&self.slots, &self.policy, i)
     }
 
+    /// Every slot not held becomes free (the stack pops them in index order); held slots are
+    /// left out of it.
     fn rebuild_free_stack(&mut self) {
-        let n = self.slots.len() as u32;
-        for (i, s) in self.slots.iter_mut().enumerate() {
-            let next = i as u32 + 1;
-            *s = Slot {
+        let mut head = NIL;
+        let mut count = 0;
+        for i in (0..self.slots.len() as u32).rev() {
+            self.slots[i as usize] = Slot {
                 link: Link {
                     prev: NIL,
-                    next: if next == n { NIL } else { next },
+                    next: head,
                 },
                 ..Slot::FREE
             };
+            if self.held.contains_key(&i) {
+                self.slots[i as usize].link = Link::UNLINKED;
+                continue;
+            }
+            head = i;
+            count += 1;
         }
-        self.free_head = 0;
-        self.free_count = n;
+        self.free_head = head;
+        self.free_count = count;
         self.idle_count = 0;
     }
 
@@ -1066,10 +1100,19 @@ impl OffloadManager for HostPool {
     fn on_request_finished(&mut self, _request: RequestId) {}
 
     fn reset(&mut self) {
-        // Chunks still being written or read are dropped too: the scheduler's reset tells every
-        // worker to finish jobs older than the reset before any newer job touches a slot.
-        for s in &self.slots {
-            if s.present() && s.refc >= 0 && self.config.events {
+        // Chunks still being written or read are dropped too, but their slots are held, one hold
+        // per job (the writer, each reader), until `release_held` says the job is over: a job in
+        // flight keeps its memory (a GPU stream or a tier thread may still write it), so no
+        // new key gets such a slot before then.
+        for (i, s) in self.slots.iter().enumerate() {
+            if !s.present() {
+                continue;
+            }
+            if s.refc != 0 {
+                let holds = if s.refc < 0 { 1 } else { s.refc as u32 };
+                *self.held.entry(i as u32).or_insert(0) += holds;
+            }
+            if s.refc >= 0 && self.config.events {
                 self.events.push(KvEvent::Removed {
                     key: s.key(),
                     medium: Medium::Cpu,
@@ -1086,6 +1129,23 @@ impl OffloadManager for HostPool {
         }
         self.last_store.clear();
         self.rebuild_free_stack();
+    }
+
+    fn release_held(&mut self, slots: &[SlotId]) {
+        for &slot in slots {
+            let Some(holds) = self.held.get_mut(&slot.0) else {
+                self.broken(format_args!(
+                    "release_held of slot {}, which is not held",
+                    slot.0
+                ));
+                continue;
+            };
+            *holds -= 1;
+            if *holds == 0 {
+                self.held.remove(&slot.0);
+                self.push_free(slot.0);
+            }
+        }
     }
 
     fn take_events(&mut self, out: &mut Vec<KvEvent>) {

@@ -4,7 +4,7 @@
 //! statistics, reference counts, recency order, ARC list sizes and target. After every step the
 //! pool's own invariant check runs too.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 
@@ -42,6 +42,8 @@ struct Model {
     target: u32,
     /// Free slots; the top is the last element.
     free: Vec<u32>,
+    /// Slots held since a reset: slot -> holds.
+    held: BTreeMap<u32, u32>,
     /// Per-bucket lookup counters, most recent first (same bucket function as the pool).
     counters: Vec<VecDeque<(ChunkKey, u32)>>,
     bucket_fn: ReuseTracker,
@@ -63,6 +65,7 @@ impl Model {
             b2: Vec::new(),
             target: 0,
             free: (0..cap).rev().collect(),
+            held: BTreeMap::new(),
             counters: vec![VecDeque::new(); bucket_fn.bucket_count()],
             bucket_fn,
             events: Vec::new(),
@@ -304,13 +307,45 @@ impl Model {
                 medium: Medium::Cpu,
             });
         }
+        // A slot being written or read stays held: one hold per writer or reader.
+        for &(refc, slot) in self.present.values() {
+            if refc != 0 {
+                *self.held.entry(slot).or_insert(0) += refc.unsigned_abs();
+            }
+        }
         let fresh = Model::new(self.cap, self.policy, self.threshold);
-        let (events, stats) = (std::mem::take(&mut self.events), self.stats);
+        let (events, stats, held) = (
+            std::mem::take(&mut self.events),
+            self.stats,
+            std::mem::take(&mut self.held),
+        );
+        let free = fresh
+            .free
+            .iter()
+            .copied()
+            .filter(|s| !held.contains_key(s))
+            .collect();
         *self = Model {
             events,
             stats,
+            held,
+            free,
             ..fresh
         };
+    }
+
+    fn release_held(&mut self, slots: &[SlotId]) {
+        for s in slots {
+            let holds = self
+                .held
+                .get_mut(&s.0)
+                .expect("only held slots are released");
+            *holds -= 1;
+            if *holds == 0 {
+                self.held.remove(&s.0);
+                self.free.push(s.0);
+            }
+        }
     }
 
     fn recency(&self) -> Vec<ChunkKey> {
@@ -330,8 +365,11 @@ enum Op {
     /// Completes the outstanding load with this index (modulo their number).
     CompleteLoad(usize),
     Touch(Vec<u8>),
-    /// Resets with jobs possibly in flight (their completions are then dropped).
+    /// Resets with jobs possibly in flight (their completions are then dropped; their slots
+    /// stay held).
     Reset,
+    /// A job in flight at a reset ends (this index, modulo their number): its holds end.
+    EndStale(usize),
 }
 
 fn keys_strategy() -> impl Strategy<Value = Vec<u8>> {
@@ -348,6 +386,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(Op::CompleteLoad),
         4 => keys_strategy().prop_map(Op::Touch),
         1 => Just(Op::Reset),
+        2 => any::<usize>().prop_map(Op::EndStale),
     ]
 }
 
@@ -370,8 +409,9 @@ fn run_lockstep(
     };
     let mut pool = HostPool::with_strictness(cfg, true).unwrap();
     let mut model = Model::new(cap, policy, threshold);
-    let mut stores: Vec<Vec<ChunkKey>> = Vec::new();
-    let mut loads: Vec<Vec<ChunkKey>> = Vec::new();
+    let mut stores: Vec<(Vec<ChunkKey>, Vec<SlotId>)> = Vec::new();
+    let mut loads: Vec<(Vec<ChunkKey>, Vec<SlotId>)> = Vec::new();
+    let mut stale: Vec<Vec<SlotId>> = Vec::new();
     let (mut out, mut model_out) = (PreparedStore::default(), PreparedStore::default());
     for (step, op) in ops.iter().enumerate() {
         match op {
@@ -386,12 +426,12 @@ fn run_lockstep(
                 prop_assert_eq!(&got, &want, "step {}: {:?}", step, op);
                 prop_assert_eq!(&out, &model_out, "step {}", step);
                 if got.is_ok() && !out.keys.is_empty() {
-                    stores.push(out.keys.clone());
+                    stores.push((out.keys.clone(), out.slots.clone()));
                 }
             }
             Op::CompleteStore(i, ok) => {
                 if !stores.is_empty() {
-                    let batch = stores.remove(i % stores.len());
+                    let (batch, _) = stores.remove(i % stores.len());
                     pool.complete_store(&batch, *ok);
                     model.complete_store(&batch, *ok);
                 }
@@ -409,12 +449,12 @@ fn run_lockstep(
                 prop_assert_eq!(got.is_ok(), want.is_ok(), "step {}: {:?}", step, op);
                 prop_assert_eq!(&got_slots, &want_slots, "step {}", step);
                 if got.is_ok() {
-                    loads.push(keys);
+                    loads.push((keys, got_slots[1..].to_vec()));
                 }
             }
             Op::CompleteLoad(i) => {
                 if !loads.is_empty() {
-                    let batch = loads.remove(i % loads.len());
+                    let (batch, _) = loads.remove(i % loads.len());
                     pool.complete_load(&batch);
                     model.complete_load(&batch);
                 }
@@ -425,12 +465,35 @@ fn run_lockstep(
                 model.touch(&keys);
             }
             Op::Reset => {
-                // Jobs in flight are dropped with the chunks: the scheduler ignores completions
-                // of jobs older than a reset, so they never reach the pool.
-                stores.clear();
-                loads.clear();
+                // Jobs in flight are dropped with the chunks (the scheduler ignores completions
+                // of jobs older than a reset, so they never reach the pool), but their slots stay
+                // held until each job ends.
+                // A store batch writes only its keys still pending in their slots (others were
+                // completed by `CompleteStoreKeys`), each once.
+                let mut writing = BTreeSet::new();
+                for (keys, slots) in stores.drain(..) {
+                    let mine: Vec<SlotId> = keys
+                        .iter()
+                        .zip(slots)
+                        .filter(|&(&k, s)| {
+                            pool.ref_count(k) == Some(-1)
+                                && pool.slot_of(k) == Some(s)
+                                && writing.insert(s)
+                        })
+                        .map(|(_, s)| s)
+                        .collect();
+                    stale.push(mine);
+                }
+                stale.extend(loads.drain(..).map(|(_, slots)| slots));
                 pool.reset();
                 model.reset();
+            }
+            Op::EndStale(i) => {
+                if !stale.is_empty() {
+                    let slots = stale.remove(i % stale.len());
+                    pool.release_held(&slots);
+                    model.release_held(&slots);
+                }
             }
         }
         if let Err(e) = pool.check_invariants() {
@@ -444,6 +507,7 @@ fn run_lockstep(
         prop_assert_eq!(pool.keys_by_recency(), model.recency(), "step {}", step);
         prop_assert_eq!(pool.len(), model.present.len());
         prop_assert_eq!(pool.free_slot_count() as usize, model.free.len());
+        prop_assert_eq!(pool.held_slot_count(), model.held.len(), "step {}", step);
         for n in 0..KEY_UNIVERSE {
             let k = key(n);
             let want = model.present.get(&k);

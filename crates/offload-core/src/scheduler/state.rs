@@ -54,11 +54,27 @@ struct JobRecord {
     request: RequestId,
     kind: JobKind,
     keys: Vec<ChunkKey>,
+    /// The host slot of each key (what a reset holds for the job until it is over).
+    slots: Vec<SlotId>,
     /// Engine blocks a store reads (its fences); empty for loads.
     blocks: Vec<BlockId>,
     /// Bit w set once worker w acknowledged.
     acked: u64,
     failed: bool,
+}
+
+/// A job that was in flight at a `reset_cache`: its acknowledgements no longer count, but its
+/// host slots stay held (and its request's engine blocks kept) until every worker reported it,
+/// since until then a transfer may still write them.
+#[derive(Debug)]
+struct StaleJob {
+    request: RequestId,
+    slots: Vec<SlotId>,
+    /// Bit w set once worker w acknowledged.
+    acked: u64,
+    /// A load whose failure the engine hears when it is over (until then the request waits for
+    /// it, holding the blocks it writes).
+    report_load: bool,
 }
 
 /// The scheduler side of kvtier for one engine: request states, job building, acknowledgements.
@@ -91,6 +107,12 @@ pub struct Scheduler<M> {
     failed_loads: Vec<RequestId>,
     /// Requests that finished and wait for the next `build_connector_meta` to be signalled.
     finishing: BTreeSet<RequestId>,
+    /// Jobs in flight at a reset and not yet acknowledged by every worker.
+    stale_jobs: BTreeMap<JobId, StaleJob>,
+    /// How many of `stale_jobs` each request has.
+    stale_by_request: BTreeMap<RequestId, u32>,
+    /// Finished requests whose engine blocks are released once their stale jobs are over.
+    release_after_stale: BTreeSet<RequestId>,
     stats: SchedulerStats,
     scratch_keys: Vec<ChunkKey>,
     scratch_slots: Vec<SlotId>,
@@ -117,6 +139,9 @@ impl<M: OffloadManager> Scheduler<M> {
             released: Vec::new(),
             failed_loads: Vec::new(),
             finishing: BTreeSet::new(),
+            stale_jobs: BTreeMap::new(),
+            stale_by_request: BTreeMap::new(),
+            release_after_stale: BTreeSet::new(),
             stats: SchedulerStats::default(),
             scratch_keys: Vec::new(),
             scratch_slots: Vec::new(),
@@ -343,6 +368,7 @@ impl<M: OffloadManager> Scheduler<M> {
                 request: id,
                 kind: JobKind::Load,
                 keys: self.scratch_keys.clone(),
+                slots: self.scratch_slots.clone(),
                 blocks: Vec::new(),
                 acked: 0,
                 failed: false,
@@ -423,7 +449,7 @@ impl<M: OffloadManager> Scheduler<M> {
             None => {
                 // Never tracked: nothing can be stored, so the signal goes at once.
                 self.deliver_finish(id);
-                false
+                self.keep_blocks_for_stale_jobs(id)
             }
             Some(Tracked::Draining(_)) => {
                 self.broken(format_args!("request {id:?} finished twice"));
@@ -449,7 +475,7 @@ impl<M: OffloadManager> Scheduler<M> {
                 if nothing_left && !req.has_jobs() {
                     self.requests.remove(&id);
                     self.deliver_finish(id);
-                    return false;
+                    return self.keep_blocks_for_stale_jobs(id);
                 }
                 self.finishing.insert(id);
                 true
@@ -458,10 +484,15 @@ impl<M: OffloadManager> Scheduler<M> {
     }
 
     /// Drops everything offloaded. Workers hear of it in the next meta (`reset_before`) and finish
-    /// every older job before touching a slot; acknowledgements of those jobs are ignored. Finished
-    /// requests whose signal was pending are signalled here, exactly once, and released; live
-    /// requests keep their state with their store cursors rewound. Returns the loads that were
-    /// cancelled (the engine recomputes those tokens).
+    /// every older job before touching a slot; acknowledgements of those jobs are ignored, but
+    /// the host slots they name stay held (handed to no new key) and their requests' engine
+    /// blocks kept until every worker acknowledged them, since a transfer may still write them
+    /// until then. Finished requests whose signal was pending are signalled here, exactly once,
+    /// and released (once their jobs are over); live requests keep their state with their store
+    /// cursors rewound. Returns the loads cancelled before any worker got them; a load the
+    /// workers already have is reported failed by the `update_connector_output` that brings its
+    /// last acknowledgement (until then it may write the request's blocks). The engine
+    /// recomputes the tokens of every failed load.
     pub fn reset_cache(&mut self) -> UpdateOutcome {
         let mut outcome = UpdateOutcome::default();
         for id in self.failed_loads.drain(..) {
@@ -470,9 +501,27 @@ impl<M: OffloadManager> Scheduler<M> {
         let floor = JobId(self.next_job_id);
         self.job_floor = floor;
         self.pending_reset = Some(floor);
-        self.jobs.clear();
+        // Loads built and not yet sent: no worker will run them, so they hold nothing.
+        let unsent: BTreeSet<JobId> = self.loads_out.drain(..).map(|j| j.id).collect();
+        let jobs = std::mem::take(&mut self.jobs);
+        let mut unsent_slots = Vec::new();
+        for (id, record) in jobs {
+            if unsent.contains(&id) {
+                unsent_slots.extend_from_slice(&record.slots);
+                continue;
+            }
+            *self.stale_by_request.entry(record.request).or_insert(0) += 1;
+            self.stale_jobs.insert(
+                id,
+                StaleJob {
+                    request: record.request,
+                    slots: record.slots,
+                    acked: record.acked,
+                    report_load: false,
+                },
+            );
+        }
         self.fences.clear();
-        self.loads_out.clear();
         self.flush_out.clear();
         let ids: Vec<RequestId> = self.requests.keys().copied().collect();
         for id in ids {
@@ -480,8 +529,17 @@ impl<M: OffloadManager> Scheduler<M> {
         }
         self.finishing.clear();
         self.manager.reset();
+        if !unsent_slots.is_empty() {
+            self.manager.release_held(&unsent_slots);
+        }
         self.check_invariants();
         outcome
+    }
+
+    /// Jobs in flight at a reset that not every worker has acknowledged yet (their host slots
+    /// are held until then).
+    pub fn stale_jobs(&self) -> usize {
+        self.stale_jobs.len()
     }
 
     /// Moves into `out` the finished requests whose engine blocks the engine may now free.
@@ -496,11 +554,16 @@ impl<M: OffloadManager> Scheduler<M> {
         match tracked {
             Tracked::Draining(_) => {
                 self.requests.remove(&id);
-                self.released.push(id);
+                self.release(id);
             }
             Tracked::Live(req) => {
-                if req.load_job.take().is_some() {
-                    outcome.loads.push((id, false));
+                if let Some(job) = req.load_job.take() {
+                    match self.stale_jobs.get_mut(&job) {
+                        // Sent: it fails once every worker drained it (it may still write the
+                        // request's blocks until then).
+                        Some(stale) => stale.report_load = true,
+                        None => outcome.loads.push((id, false)),
+                    }
                 }
                 req.store_jobs.clear();
                 req.stored_chunks = 0;
@@ -509,7 +572,7 @@ impl<M: OffloadManager> Scheduler<M> {
                 if req.finish.is_some() {
                     self.requests.remove(&id);
                     self.deliver_finish(id);
-                    self.released.push(id);
+                    self.release(id);
                 }
             }
         }
@@ -650,12 +713,14 @@ impl<M: OffloadManager> Scheduler<M> {
         self.stats.store_jobs += 1;
         self.stats.chunks_store_submitted += transfers.len() as u64;
         let keys = transfers.iter().map(|t| t.key).collect();
+        let slots = transfers.iter().map(|t| t.slot).collect();
         self.jobs.insert(
             job_id,
             JobRecord {
                 request: id,
                 kind: JobKind::Store,
                 keys,
+                slots,
                 blocks,
                 acked: 0,
                 failed: false,
@@ -680,12 +745,33 @@ impl<M: OffloadManager> Scheduler<M> {
         let jobs = req.store_jobs.clone();
         if jobs.is_empty() {
             self.requests.remove(&id);
-            self.released.push(id);
+            self.release(id);
         } else {
             self.requests
                 .insert(id, Tracked::Draining(DrainingRequest { jobs }));
         }
         self.deliver_finish(id);
+    }
+
+    /// The engine may free `id`'s blocks: now, or once the jobs it had in flight at a reset are
+    /// over (they may still read or write those blocks).
+    fn release(&mut self, id: RequestId) {
+        if self.stale_by_request.contains_key(&id) {
+            self.release_after_stale.insert(id);
+        } else {
+            self.released.push(id);
+        }
+    }
+
+    /// For a request that finished with no job in flight: whether the engine must still keep
+    /// its blocks, because a job it had in flight at a reset may still read or write them (it is
+    /// then released once those jobs are over).
+    fn keep_blocks_for_stale_jobs(&mut self, id: RequestId) -> bool {
+        if !self.stale_by_request.contains_key(&id) {
+            return false;
+        }
+        self.release_after_stale.insert(id);
+        true
     }
 
     /// The single place the manager hears `on_request_finished`.
@@ -698,6 +784,7 @@ impl<M: OffloadManager> Scheduler<M> {
     fn take_ack(&mut self, worker: u32, job: JobId, success: bool, outcome: &mut UpdateOutcome) {
         if job < self.job_floor {
             self.stats.stale_acks += 1;
+            self.take_stale_ack(worker, job, outcome);
             return;
         }
         if worker >= self.config.worker_count {
@@ -721,6 +808,46 @@ impl<M: OffloadManager> Scheduler<M> {
         record.failed |= !success;
         if record.acked.count_ones() == self.config.worker_count {
             self.complete_job(job, outcome);
+        }
+    }
+
+    /// An acknowledgement of a job from before the last reset: at the last worker's, the job is
+    /// over, so its host slots' holds end and its request's blocks may be released.
+    fn take_stale_ack(&mut self, worker: u32, job: JobId, outcome: &mut UpdateOutcome) {
+        let Some(stale) = self.stale_jobs.get_mut(&job) else {
+            // A job of a reset with nothing held (never sent) or already over.
+            return;
+        };
+        let bit = 1u64 << worker.min(63);
+        if worker >= self.config.worker_count || stale.acked & bit != 0 {
+            self.broken(format_args!(
+                "stale job {job:?}: unknown worker {worker} or its second acknowledgement"
+            ));
+            return;
+        }
+        stale.acked |= bit;
+        if stale.acked.count_ones() < self.config.worker_count {
+            return;
+        }
+        let Some(stale) = self.stale_jobs.remove(&job) else {
+            return;
+        };
+        if !stale.slots.is_empty() {
+            self.manager.release_held(&stale.slots);
+        }
+        let request = stale.request;
+        if stale.report_load {
+            outcome.loads.push((request, false));
+        }
+        let left = self.stale_by_request.get_mut(&request).map(|n| {
+            *n -= 1;
+            *n
+        });
+        if left == Some(0) {
+            self.stale_by_request.remove(&request);
+            if self.release_after_stale.remove(&request) {
+                self.released.push(request);
+            }
         }
     }
 
@@ -762,7 +889,7 @@ impl<M: OffloadManager> Scheduler<M> {
                 draining.jobs.retain(|&j| j != job);
                 if draining.jobs.is_empty() {
                     self.requests.remove(&id);
-                    self.released.push(id);
+                    self.release(id);
                 }
             }
             None => self.broken(format_args!(
@@ -826,6 +953,20 @@ impl<M: OffloadManager> Scheduler<M> {
             }
         }
         assert_eq!(counted, self.jobs.len(), "jobs without a request");
+        let mut stale: BTreeMap<RequestId, u32> = BTreeMap::new();
+        for job in self.stale_jobs.values() {
+            *stale.entry(job.request).or_insert(0) += 1;
+        }
+        assert_eq!(
+            stale, self.stale_by_request,
+            "stale jobs miscounted per request"
+        );
+        for id in &self.release_after_stale {
+            assert!(
+                self.stale_by_request.contains_key(id) && !self.requests.contains_key(id),
+                "request {id:?} waits for stale jobs it does not have, or is still tracked"
+            );
+        }
         for &(_, job) in &self.fences {
             assert!(
                 self.jobs
