@@ -1,7 +1,9 @@
 //! Configuration files: the reference's keys parse from TOML and JSON alike; unknown keys,
 //! contradictory keys and impossible sizes are errors that name the key.
 
-use connector::config::{ConfigError, ConnectorConfig, EngineGeometry, TierSpec};
+use std::sync::Arc;
+
+use connector::config::{ConfigError, ConnectorConfig, EngineGeometry};
 use offload_core::EvictionPolicy;
 
 fn engine() -> EngineGeometry {
@@ -44,8 +46,8 @@ fn the_reference_keys_resolve() {
     assert_eq!(r.slot_bytes, 4 * 4096);
     assert_eq!(r.pool.slot_count, 1048576 / (4 * 4096));
     assert_eq!(r.pool.policy, EvictionPolicy::Arc);
-    assert!(matches!(r.tiers[0], TierSpec::Fs(_)));
-    assert!(matches!(r.tiers[1], TierSpec::P2p(_)));
+    assert_eq!(r.tiers[0].type_name(), "fs");
+    assert_eq!(r.tiers[1].type_name(), "p2p");
 }
 
 #[test]
@@ -176,7 +178,6 @@ fn files_are_read_by_extension() {
 #[cfg(feature = "fs")]
 #[test]
 fn a_resolved_config_starts_its_disk_tier() {
-    use std::sync::Arc;
     let dir = tempfile::tempdir().expect("temp dir");
     let text = format!(
         "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{{ type = \"fs\", \
@@ -247,4 +248,75 @@ fn p2p_peers_may_be_names_and_bad_ones_are_named_with_their_value() {
         invalid_key(&tiers("\"a:1\"", ", peers_dns = \"peers.svc:7071\"")),
         "secondary_tiers[0].peers_dns"
     );
+}
+
+#[test]
+fn tier_entries_may_be_toml_tables_and_a_type_is_required() {
+    let text = "cpu_bytes_to_use = 1048576\nblock_size = 64\n[[secondary_tiers]]\ntype = \"fs\"\n\
+                root_dir = \"/tmp/x\"\ncapacity_bytes = 1048576\n";
+    let r = ConnectorConfig::from_toml_str(text)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    assert_eq!(r.tiers[0].type_name(), "fs");
+    assert_eq!(r.tiers[0].settings.entry.settings["root_dir"], "/tmp/x");
+    let msg = error(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ root_dir = \"/x\" }]\n",
+    );
+    assert!(msg.contains("needs `type`"), "{msg}");
+    let msg =
+        error("cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = 3 }]\n");
+    assert!(msg.contains("`type` must be a string"), "{msg}");
+}
+
+#[test]
+fn a_tier_type_is_registered_once_with_a_plain_name() {
+    use connector::registry::TierRegistry;
+    let mut registry = TierRegistry::new();
+    assert_eq!(registry.type_names(), ["fs", "p2p"]);
+    let again = TierRegistry::new();
+    let fs = again
+        .factory(&connector::TierSettings {
+            index: 0,
+            entry: connector::registry::TierEntry {
+                type_name: "fs".into(),
+                settings: Default::default(),
+            },
+        })
+        .expect("built in");
+    let refused = registry.register_arc("fs", fs.clone()).expect_err("taken");
+    assert!(
+        refused.to_string().contains("already registered"),
+        "{refused}"
+    );
+    for bad in ["", "Redis", "a b", &"x".repeat(33)] {
+        assert!(registry.register_arc(bad, fs.clone()).is_err(), "{bad:?}");
+    }
+    registry.register_arc("fs-2", fs).expect("a new plain name");
+    assert_eq!(registry.type_names(), ["fs", "fs-2", "p2p"]);
+    assert!(TierRegistry::empty().type_names().is_empty());
+}
+
+/// `build_scheduler`'s one `strict` reaches the scheduler too: not strict, an acknowledgement
+/// of a job nobody submitted is counted instead of panicking (tests run with debug assertions,
+/// where the scheduler's own default is strict).
+#[test]
+fn build_scheduler_sets_one_strictness_for_scheduler_pool_and_manager() {
+    use offload_core::{JobAck, JobId, WorkerOutput};
+    let resolved = ConnectorConfig::from_toml_str("cpu_bytes_to_use = 1048576\nblock_size = 64\n")
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let memory = Arc::new(tier_testkit::VecSlotMemory::new(
+        resolved.pool.slot_count,
+        resolved.slot_bytes as usize,
+    ));
+    let mut scheduler = resolved.build_scheduler(memory, false).expect("builds");
+    assert!(!scheduler.tiering().options().strict);
+    scheduler.update_connector_output(&[WorkerOutput {
+        worker: 0,
+        acks: vec![JobAck {
+            job: JobId(77),
+            success: true,
+        }],
+    }]);
+    assert_eq!(scheduler.metrics().scheduler.invariant_failures, 1);
 }
