@@ -20,7 +20,7 @@
 //! [`SchedulerHandle`] over the tiering manager over the host pool's bytes (the same
 //! [`offload_core::SlotMemory`] the workers' transfer engines copy into) in one call, and drive
 //! it with the engine's scheduler calls; each worker runs a `WorkerHandle` on the metadata of
-//! every step.
+//! every step. `docs/writing-a-tier.md` shows how to write a tier and name it in the file.
 //!
 //! ```
 //! use std::sync::Arc;
