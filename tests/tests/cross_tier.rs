@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use connector::{ManualClock, SharedTier, TierCall, TieringManager, TieringOptions};
+use connector::testing::{SharedTier, TierCall};
+use connector::{ManualClock, TieringManager, TieringOptions};
 use engine_sim::host::HostMemory;
 use engine_sim::{
     KvHandle, ManagerCall, RequestSpec, SharedPrefix, SharedPrefixSpec, Sim, SimConfig, SimReport,

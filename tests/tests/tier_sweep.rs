@@ -10,7 +10,8 @@ use kvtier_tests::FailingTier;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use connector::{ManualClock, SharedTier, TierCall, TieringManager, TieringOptions};
+use connector::testing::{SharedTier, TierCall};
+use connector::{ManualClock, TieringManager, TieringOptions};
 use engine_sim::host::HostMemory;
 use engine_sim::scenario::{random_scenario, ScenarioLimits};
 use engine_sim::{KvHandle, Sim};

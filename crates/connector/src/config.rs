@@ -1,8 +1,15 @@
 //! Configuration from a TOML or JSON file, with the reference's keys (`cpu_bytes_to_use`,
 //! `block_size` or `blocks_per_chunk`, `eviction_policy`, `offload_prompt_only`,
 //! `secondary_tiers`), checked against the engine's geometry ([`EngineGeometry`]) into a
-//! [`ResolvedConfig`], from which [`ResolvedConfig::build_manager`] builds the tiering manager
-//! and its tiers.
+//! [`ResolvedConfig`], from which [`ResolvedConfig::build_scheduler`] builds the scheduler
+//! handle over the tiering manager and its tiers in one call ([`ResolvedConfig::build_manager`]
+//! builds only the manager).
+//!
+//! A `secondary_tiers` entry names its tier type with `type`; the type's factory, found in a
+//! [`TierRegistry`], checks the rest of the entry and starts the
+//! tier. [`ConnectorConfig::resolve`] knows the built-in types (`fs`, [`FsTierSpec`]; `p2p`,
+//! [`P2pTierSpec`]); [`ConnectorConfig::resolve_with`] takes a registry with the embedding
+//! program's own types as well.
 //!
 //! Unknown keys are refused (by serde, naming the key); contradictory keys and impossible sizes
 //! are refused by [`ConnectorConfig::resolve`] with a [`ConfigError`] that names the key.
@@ -35,10 +42,15 @@ use offload_core::{
 use serde::Deserialize;
 
 use crate::clock::{Clock, MonotonicClock};
+use crate::handle::SchedulerHandle;
+use crate::registry::{TierEntry, TierFactory, TierRegistry, TierSettings};
 use crate::tiering::{TieringManager, TieringOptions, TIERS_MAX};
 
 /// A configuration problem, naming the key (or the file) that was wrong.
+///
+/// Non-exhaustive: new checks may need new variants.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read config file {path}: {source}")]
@@ -72,6 +84,16 @@ pub enum ConfigError {
         key: String,
         /// Why.
         reason: String,
+    },
+    /// A tier entry's `type` is not registered.
+    #[error("invalid config `{key}`: unknown tier type {type_name:?}; registered: {registered}")]
+    UnknownTierType {
+        /// The entry's `type` key, like `secondary_tiers[0].type`.
+        key: String,
+        /// The type it named.
+        type_name: String,
+        /// The registered types, comma-separated.
+        registered: String,
     },
 }
 
@@ -277,7 +299,8 @@ impl ObjTierSpec {
     }
 }
 
-/// One `secondary_tiers` entry.
+/// A built-in `secondary_tiers` entry, typed (the registry hands every entry to its factory as a
+/// [`TierEntry`]; the built-in factory reads it as a `TierSpec`).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(tag = "type")]
 pub enum TierSpec {
@@ -296,8 +319,46 @@ fn yes() -> bool {
     true
 }
 
+/// The tier types [`TierRegistry::new`] registers: one [`TierSpec`] variant each.
+pub(crate) const BUILTIN_TIER_TYPES: [&str; 3] = ["fs", "obj", "p2p"];
+
+/// The factory of the built-in tier types: the entry read as a [`TierSpec`] (its `type` put
+/// back), checked by `check_tier` and started by `ResolvedConfig::start_tier`.
+pub(crate) struct BuiltinTier;
+
+impl BuiltinTier {
+    fn spec(settings: &TierSettings) -> Result<TierSpec, ConfigError> {
+        let mut table = settings.entry.settings.clone();
+        table.insert(
+            "type".to_owned(),
+            serde_json::Value::String(settings.entry.type_name.clone()),
+        );
+        serde_json::from_value(serde_json::Value::Object(table))
+            .map_err(|e| invalid(settings.key(), e.to_string()))
+    }
+}
+
+impl TierFactory for BuiltinTier {
+    fn check(&self, settings: &TierSettings, config: &ResolvedConfig) -> Result<(), ConfigError> {
+        check_tier(
+            settings.index,
+            &Self::spec(settings)?,
+            u64::from(config.slot_bytes),
+        )
+    }
+
+    fn start(
+        &self,
+        settings: &TierSettings,
+        config: &ResolvedConfig,
+        memory: Arc<dyn SlotMemory>,
+    ) -> Result<Box<dyn Tier>, ConfigError> {
+        config.start_tier(settings.index, &Self::spec(settings)?, memory)
+    }
+}
+
 /// The file's contents, as parsed (not yet checked against the engine).
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConnectorConfig {
     /// Bytes of host memory for the host pool (rounded down to whole slots).
@@ -334,9 +395,10 @@ pub struct ConnectorConfig {
     /// tier reports them (default 5000 ms).
     #[serde(default)]
     pub reset_drain_deadline_ms: Option<u64>,
-    /// Secondary tiers, tried in this order on a host-pool miss.
+    /// Secondary tiers, tried in this order on a host-pool miss; each entry's `type` names a
+    /// registered tier type ([`TierRegistry`]).
     #[serde(default)]
-    pub secondary_tiers: Vec<TierSpec>,
+    pub secondary_tiers: Vec<TierEntry>,
 }
 
 /// What the engine knows and the file does not: its model, KV geometry and parallel layout.
@@ -375,7 +437,7 @@ impl EngineGeometry {
 
 /// A checked configuration: everything needed to build the scheduler, the host pool and the
 /// tiers.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ResolvedConfig {
     /// The scheduler's settings.
     pub scheduler: SchedulerConfig,
@@ -389,10 +451,47 @@ pub struct ResolvedConfig {
     pub cascade_deadline_ns: u64,
     /// The reset (and drain) deadline in nanoseconds.
     pub reset_drain_deadline_ns: u64,
-    /// The secondary tiers, checked.
-    pub tiers: Vec<TierSpec>,
+    /// The secondary tiers, checked, in order.
+    pub tiers: Vec<ResolvedTier>,
     /// The engine's geometry.
     pub engine: EngineGeometry,
+}
+
+/// A checked `secondary_tiers` entry and the factory of its type, which starts it.
+#[derive(Clone)]
+pub struct ResolvedTier {
+    /// The entry.
+    pub settings: TierSettings,
+    factory: Arc<dyn TierFactory>,
+}
+
+impl ResolvedTier {
+    /// The entry's `type`.
+    pub fn type_name(&self) -> &str {
+        self.settings.type_name()
+    }
+
+    /// The entry read as a built-in tier's typed settings; `None` for a type registered by the
+    /// embedding program (or an entry that does not read as its built-in type).
+    pub fn builtin(&self) -> Option<TierSpec> {
+        if !BUILTIN_TIER_TYPES.contains(&self.type_name()) {
+            return None;
+        }
+        BuiltinTier::spec(&self.settings).ok()
+    }
+}
+
+impl std::fmt::Debug for ResolvedTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.settings.fmt(f)
+    }
+}
+
+/// Equal entries (the factories are not compared).
+impl PartialEq for ResolvedTier {
+    fn eq(&self, other: &Self) -> bool {
+        self.settings == other.settings
+    }
 }
 
 impl ConnectorConfig {
@@ -428,8 +527,21 @@ impl ConnectorConfig {
         }
     }
 
-    /// Checks the configuration against the engine; the error names the first wrong key.
+    /// Checks the configuration against the engine, with the built-in tier types only
+    /// ([`TierRegistry::new`]); the error names the first wrong key.
     pub fn resolve(&self, engine: &EngineGeometry) -> Result<ResolvedConfig, ConfigError> {
+        self.resolve_with(engine, &TierRegistry::new())
+    }
+
+    /// Checks the configuration against the engine, each `secondary_tiers` entry by the factory
+    /// `registry` holds for its `type` (an unregistered type is
+    /// [`ConfigError::UnknownTierType`], which lists the registered ones); the error names the
+    /// first wrong key.
+    pub fn resolve_with(
+        &self,
+        engine: &EngineGeometry,
+        registry: &TierRegistry,
+    ) -> Result<ResolvedConfig, ConfigError> {
         let tpb = engine.tokens_per_block;
         if tpb == 0 {
             return Err(invalid("tokens_per_block", "the engine's block size is 0"));
@@ -516,9 +628,6 @@ impl ConnectorConfig {
                 format!("{} tiers, at most {TIERS_MAX}", self.secondary_tiers.len()),
             ));
         }
-        for (i, tier) in self.secondary_tiers.iter().enumerate() {
-            check_tier(i, tier, slot_bytes)?;
-        }
         let scheduler = SchedulerConfig {
             tokens_per_block: tpb,
             blocks_per_chunk,
@@ -545,16 +654,26 @@ impl ConnectorConfig {
             reuse_threshold: self.reuse_threshold,
             events: true,
         };
-        Ok(ResolvedConfig {
+        let mut resolved = ResolvedConfig {
             scheduler,
             pool,
             slot_bytes: slot_bytes as u32,
             promotion_deadline_ns,
             cascade_deadline_ns,
             reset_drain_deadline_ns,
-            tiers: self.secondary_tiers.clone(),
+            tiers: Vec::with_capacity(self.secondary_tiers.len()),
             engine: engine.clone(),
-        })
+        };
+        for (index, entry) in self.secondary_tiers.iter().enumerate() {
+            let settings = TierSettings {
+                index,
+                entry: entry.clone(),
+            };
+            let factory = registry.factory(&settings)?;
+            factory.check(&settings, &resolved)?;
+            resolved.tiers.push(ResolvedTier { settings, factory });
+        }
+        Ok(resolved)
     }
 }
 
@@ -731,6 +850,35 @@ fn check_obj(key: &dyn Fn(&str) -> String, obj: &ObjTierSpec) -> Result<(), Conf
 }
 
 impl ResolvedConfig {
+    /// Builds everything the engine's scheduler side needs in one call: starts every secondary
+    /// tier over the host pool's bytes `memory` (which must have `pool.slot_count` slots of
+    /// `slot_bytes`), builds the tiering manager and the [`SchedulerHandle`] over it. `strict`
+    /// is the one strictness of all three (scheduler, host pool, tiering manager): `true` panics
+    /// on a broken bookkeeping invariant (tests, simulators), `false` counts it and drops the
+    /// request's offload (production; see `offload_core::invariant`).
+    pub fn build_scheduler(
+        &self,
+        memory: Arc<dyn SlotMemory>,
+        strict: bool,
+    ) -> Result<SchedulerHandle, ConfigError> {
+        self.build_scheduler_with_clock(memory, strict, Arc::new(MonotonicClock::new()))
+    }
+
+    /// Like [`ResolvedConfig::build_scheduler`], with the manager's time read from `clock`.
+    pub fn build_scheduler_with_clock(
+        &self,
+        memory: Arc<dyn SlotMemory>,
+        strict: bool,
+        clock: Arc<dyn Clock>,
+    ) -> Result<SchedulerHandle, ConfigError> {
+        let manager = self.build_manager_with_clock(memory, strict, clock)?;
+        let scheduler = SchedulerConfig {
+            strict,
+            ..self.scheduler
+        };
+        SchedulerHandle::new(scheduler, manager).map_err(|e| invalid("scheduler", e.to_string()))
+    }
+
     /// Starts every secondary tier over the host pool's bytes `memory` and builds the tiering
     /// manager (strict: panic on a broken bookkeeping invariant). A tier whose Cargo feature is
     /// not compiled in is an error naming its entry.
@@ -765,8 +913,11 @@ impl ResolvedConfig {
             ));
         }
         let mut tiers = Vec::with_capacity(self.tiers.len());
-        for (i, spec) in self.tiers.iter().enumerate() {
-            tiers.push(self.start_tier(i, spec, Arc::clone(&memory))?);
+        for tier in &self.tiers {
+            let started = tier
+                .factory
+                .start(&tier.settings, self, Arc::clone(&memory))?;
+            tiers.push(started);
         }
         let pool = HostPool::with_strictness(self.pool, strict)
             .map_err(|e| invalid("pool", e.to_string()))?;
@@ -782,7 +933,7 @@ impl ResolvedConfig {
             .map_err(|e| invalid("secondary_tiers", e.to_string()))
     }
 
-    fn start_tier(
+    pub(crate) fn start_tier(
         &self,
         i: usize,
         spec: &TierSpec,

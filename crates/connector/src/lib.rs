@@ -7,16 +7,20 @@
 //!   worker metadata, prefix lookups across tiers, KV events, metrics).
 //! - `WorkerHandle` (`worker`, feature `gpu`): each engine worker's side; executes the per-step
 //!   metadata on a tier-gpu `TransferEngine` (CUDA or the host path) and reports every job once.
-//! - [`SharedTier`] ([`shared`]): a tier its builder keeps a handle to (fault injection, counters).
 //! - [`config`]: configuration from TOML or JSON with the reference's keys, checked against the
-//!   engine's geometry, and the tiers it names started.
+//!   engine's geometry, and the tiers it names started; [`registry`]: the tier types a
+//!   configuration may name (the built-in `fs` and `p2p`, and the embedding program's own).
+//! - [`testing`]: seams for tests and simulators ([`testing::SharedTier`], a tier its builder
+//!   keeps a handle to for fault injection and its call log).
 //! - [`metrics`]: counters and their Prometheus text format; [`clock`]: time behind a trait a
 //!   simulator can control.
 //!
-//! How an engine embeds it: read the configuration, check it against the engine's geometry,
-//! build the tiering manager over the host pool's bytes (the same [`offload_core::SlotMemory`]
-//! the workers' transfer engines copy into), and drive a [`SchedulerHandle`] with the engine's
-//! scheduler calls; each worker runs a `WorkerHandle` on the metadata of every step.
+//! How an engine embeds it: read the configuration, check it against the engine's geometry
+//! (with a [`registry::TierRegistry`] holding its own tier types, if any), build the
+//! [`SchedulerHandle`] over the tiering manager over the host pool's bytes (the same
+//! [`offload_core::SlotMemory`] the workers' transfer engines copy into) in one call, and drive
+//! it with the engine's scheduler calls; each worker runs a `WorkerHandle` on the metadata of
+//! every step. `docs/writing-a-tier.md` shows how to write a tier and name it in the file.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -30,8 +34,7 @@
 //!     resolved.pool.slot_count,
 //!     resolved.slot_bytes as usize,
 //! ));
-//! let manager = resolved.build_manager(memory, true)?;
-//! let mut scheduler = SchedulerHandle::new(resolved.scheduler, manager)?;
+//! let mut scheduler: SchedulerHandle = resolved.build_scheduler(memory, true)?;
 //! scheduler.on_new_request(NewRequest { id: RequestId(1), prompt_tokens: 100, max_offload_tokens: None });
 //! let hashes: Vec<u64> = (1..=6).collect();
 //! assert_eq!(
@@ -51,7 +54,8 @@ pub mod clock;
 pub mod config;
 pub mod handle;
 pub mod metrics;
-pub mod shared;
+pub mod registry;
+mod shared;
 pub mod tiering;
 #[cfg(feature = "gpu")]
 pub mod worker;
@@ -62,10 +66,18 @@ pub use clock::{Clock, ManualClock, MonotonicClock};
 pub use config::{ConfigError, ConnectorConfig, EngineGeometry, ResolvedConfig};
 pub use handle::{AsTiering, SchedulerHandle};
 pub use metrics::{Metrics, PoolUsage};
-pub use shared::{SharedTier, TierCall};
+pub use registry::{TierFactory, TierRegistry, TierSettings};
 pub use tiering::{
     TierCounters, TierEvent, TierMask, TieringCounters, TieringManager, TieringOptions,
     HOST_TIER_NAME, RESET_DRAIN_POLL_INTERVAL_NS, TIERS_MAX,
 };
 #[cfg(feature = "gpu")]
 pub use worker::{WorkerCounters, WorkerHandle};
+
+/// Seams for tests and simulators, kept out of the crate root: [`SharedTier`](crate::shared::SharedTier) (a tier behind a
+/// shared lock with a call log, so the builder keeps a handle to a tier it gave the manager, for
+/// fault injection mid-run) and its [`TierCall`](crate::shared::TierCall) log entries. [`crate::ManualClock`] stays at
+/// the root: simulators (engine-sim, `kvtier replay`) run on it, not only tests.
+pub mod testing {
+    pub use crate::shared::{SharedTier, TierCall};
+}

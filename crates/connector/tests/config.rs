@@ -44,8 +44,8 @@ fn the_reference_keys_resolve() {
     assert_eq!(r.slot_bytes, 4 * 4096);
     assert_eq!(r.pool.slot_count, 1048576 / (4 * 4096));
     assert_eq!(r.pool.policy, EvictionPolicy::Arc);
-    assert!(matches!(r.tiers[0], TierSpec::Fs(_)));
-    assert!(matches!(r.tiers[1], TierSpec::P2p(_)));
+    assert_eq!(r.tiers[0].type_name(), "fs");
+    assert_eq!(r.tiers[1].type_name(), "p2p");
 }
 
 #[test]
@@ -269,7 +269,7 @@ fn an_object_tier_entry_resolves_with_its_settings() {
     let r = ConnectorConfig::from_toml_str(&text)
         .and_then(|c| c.resolve(&engine()))
         .expect("valid");
-    let TierSpec::Obj(obj) = &r.tiers[0] else {
+    let Some(TierSpec::Obj(obj)) = r.tiers[0].builtin() else {
         panic!("expected an obj tier, got {:?}", r.tiers[0]);
     };
     assert_eq!(
@@ -440,7 +440,7 @@ fn p2p_etcd_settings_resolve_and_bad_ones_are_named() {
     let r = ConnectorConfig::from_toml_str(&good)
         .and_then(|c| c.resolve(&engine()))
         .expect("valid");
-    let TierSpec::P2p(spec) = &r.tiers[0] else {
+    let Some(TierSpec::P2p(spec)) = r.tiers[0].builtin() else {
         panic!("expected a p2p tier");
     };
     assert_eq!(spec.etcd_endpoints.len(), 2);
@@ -496,4 +496,75 @@ fn the_manager_gets_the_configured_deadlines() {
         ),
         (11_000_000, 7_000_000, 9_000_000)
     );
+}
+
+#[test]
+fn tier_entries_may_be_toml_tables_and_a_type_is_required() {
+    let text = "cpu_bytes_to_use = 1048576\nblock_size = 64\n[[secondary_tiers]]\ntype = \"fs\"\n\
+                root_dir = \"/tmp/x\"\ncapacity_bytes = 1048576\n";
+    let r = ConnectorConfig::from_toml_str(text)
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    assert_eq!(r.tiers[0].type_name(), "fs");
+    assert_eq!(r.tiers[0].settings.entry.settings["root_dir"], "/tmp/x");
+    let msg = error(
+        "cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ root_dir = \"/x\" }]\n",
+    );
+    assert!(msg.contains("needs `type`"), "{msg}");
+    let msg =
+        error("cpu_bytes_to_use = 1048576\nblock_size = 64\nsecondary_tiers = [{ type = 3 }]\n");
+    assert!(msg.contains("`type` must be a string"), "{msg}");
+}
+
+#[test]
+fn a_tier_type_is_registered_once_with_a_plain_name() {
+    use connector::registry::TierRegistry;
+    let mut registry = TierRegistry::new();
+    assert_eq!(registry.type_names(), ["fs", "obj", "p2p"]);
+    let again = TierRegistry::new();
+    let fs = again
+        .factory(&connector::TierSettings {
+            index: 0,
+            entry: connector::registry::TierEntry {
+                type_name: "fs".into(),
+                settings: Default::default(),
+            },
+        })
+        .expect("built in");
+    let refused = registry.register_arc("fs", fs.clone()).expect_err("taken");
+    assert!(
+        refused.to_string().contains("already registered"),
+        "{refused}"
+    );
+    for bad in ["", "Redis", "a b", &"x".repeat(33)] {
+        assert!(registry.register_arc(bad, fs.clone()).is_err(), "{bad:?}");
+    }
+    registry.register_arc("fs-2", fs).expect("a new plain name");
+    assert_eq!(registry.type_names(), ["fs", "fs-2", "obj", "p2p"]);
+    assert!(TierRegistry::empty().type_names().is_empty());
+}
+
+/// `build_scheduler`'s one `strict` reaches the scheduler too: not strict, an acknowledgement
+/// of a job nobody submitted is counted instead of panicking (tests run with debug assertions,
+/// where the scheduler's own default is strict).
+#[test]
+fn build_scheduler_sets_one_strictness_for_scheduler_pool_and_manager() {
+    use offload_core::{JobAck, JobId, WorkerOutput};
+    let resolved = ConnectorConfig::from_toml_str("cpu_bytes_to_use = 1048576\nblock_size = 64\n")
+        .and_then(|c| c.resolve(&engine()))
+        .expect("valid");
+    let memory = std::sync::Arc::new(tier_testkit::VecSlotMemory::new(
+        resolved.pool.slot_count,
+        resolved.slot_bytes as usize,
+    ));
+    let mut scheduler = resolved.build_scheduler(memory, false).expect("builds");
+    assert!(!scheduler.tiering().options().strict);
+    scheduler.update_connector_output(&[WorkerOutput {
+        worker: 0,
+        acks: vec![JobAck {
+            job: JobId(77),
+            success: true,
+        }],
+    }]);
+    assert_eq!(scheduler.metrics().scheduler.invariant_failures, 1);
 }

@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use connector::{SharedTier, TierCall, TierMask, TieringManager, TieringOptions};
+use connector::testing::{SharedTier, TierCall};
+use connector::{TierMask, TieringManager, TieringOptions};
 use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp};
 use offload_core::{
     ChunkKey, EvictionPolicy, HostPool, JobId, KvEvent, LookupResult, Medium, OffloadManager,

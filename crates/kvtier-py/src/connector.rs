@@ -349,13 +349,15 @@ impl PyConnectorScheduler {
         locked(&self.handle).take_tier_events(&mut events);
         events
             .into_iter()
-            .map(|e| match e.event {
+            .filter_map(|e| match e.event {
                 KvEvent::Stored { key, medium } => {
-                    (true, medium.as_str(), e.tier, key.hash, key.group)
+                    Some((true, medium.as_str(), e.tier, key.hash, key.group))
                 }
                 KvEvent::Removed { key, medium } => {
-                    (false, medium.as_str(), e.tier, key.hash, key.group)
+                    Some((false, medium.as_str(), e.tier, key.hash, key.group))
                 }
+                // A kind this binding does not pass on (KvEvent may grow).
+                _ => None,
             })
             .collect()
     }

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
-use connector::config::{ConnectorConfig, EngineGeometry, TierSpec};
+use connector::config::{ConnectorConfig, EngineGeometry};
 use connector::{AsTiering, TieringManager};
 use engine_sim::host::HostMemory;
 use engine_sim::{Sim, SimConfig, SimReport, Workload};
@@ -215,16 +215,12 @@ pub fn build(
         .map_err(|e| e.to_string())
 }
 
-/// Names of the secondary tiers a configuration lists (`fs`, `p2p`, `obj`), in order.
-pub fn tier_kinds(config: &ConnectorConfig) -> Vec<&'static str> {
+/// Types of the secondary tiers a configuration lists (`fs`, `p2p`, ...), in order.
+pub fn tier_kinds(config: &ConnectorConfig) -> Vec<&str> {
     config
         .secondary_tiers
         .iter()
-        .map(|t| match t {
-            TierSpec::Fs(_) => "fs",
-            TierSpec::P2p(_) => "p2p",
-            TierSpec::Obj(_) => "obj",
-        })
+        .map(|t| t.type_name.as_str())
         .collect()
 }
 

@@ -7,9 +7,10 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 
-use connector::config::{ConnectorConfig, TierSpec};
+use connector::config::ConnectorConfig;
 use engine_sim::rng::mix64;
 use engine_sim::{RequestSpec, SharedPrefix, Workload};
+use serde_json::Value;
 
 use crate::instance::{self, EngineShape, InstanceSim, RunReport};
 use crate::model::{self, ModelChoice, ModelPreset};
@@ -192,30 +193,53 @@ fn free_port() -> Result<u16, String> {
 /// ports chosen here (the other instance as its peer).
 pub fn config_for_instance(base: &ConnectorConfig, i: usize, ports: [u16; 2]) -> ConnectorConfig {
     let mut config = base.clone();
+    // The entries are the file's tables; a value of the wrong type is left as written, for
+    // `resolve` to name.
     for tier in &mut config.secondary_tiers {
-        match tier {
-            TierSpec::Fs(fs) => fs.root_dir = fs.root_dir.join(format!("instance-{i}")),
-            TierSpec::P2p(p2p) => match (&p2p.listen, p2p.peers.as_slice()) {
-                // One engine's view of a pair (it listens here, its peer there): instance 0
-                // takes it as written, instance 1 its mirror image.
-                (Some(listen), [peer]) => {
-                    if i == 1 {
-                        let (listen, peer) = (listen.clone(), peer.clone());
-                        p2p.listen = Some(peer);
-                        p2p.peers = vec![listen];
+        let settings = &mut tier.settings;
+        match tier.type_name.as_str() {
+            "fs" => {
+                if let Some(Value::String(dir)) = settings.get_mut("root_dir") {
+                    *dir = Path::new(dir.as_str())
+                        .join(format!("instance-{i}"))
+                        .display()
+                        .to_string();
+                }
+            }
+            "p2p" => {
+                let listen = settings.get("listen").and_then(Value::as_str);
+                let peers = settings.get("peers").and_then(Value::as_array);
+                match (listen, peers.map(Vec::as_slice)) {
+                    // One engine's view of a pair (it listens here, its peer there): instance
+                    // 0 takes it as written, instance 1 its mirror image.
+                    (Some(listen), Some([Value::String(peer)])) => {
+                        if i == 1 {
+                            let (listen, peer) = (listen.to_owned(), peer.clone());
+                            settings.insert("listen".into(), Value::String(peer));
+                            settings.insert("peers".into(), Value::from(vec![listen]));
+                        }
+                    }
+                    _ => {
+                        let peers_empty = match settings.get("peers") {
+                            None => true,
+                            Some(peers) => peers.as_array().is_some_and(Vec::is_empty),
+                        };
+                        if !settings.contains_key("listen") {
+                            let own = format!("127.0.0.1:{}", ports[i]);
+                            settings.insert("listen".into(), Value::String(own));
+                        }
+                        // A directory (DNS or etcd) finds the peers itself.
+                        let directory = settings.contains_key("peers_dns")
+                            || settings.contains_key("etcd_endpoints");
+                        if peers_empty && !directory {
+                            let other = format!("127.0.0.1:{}", ports[1 - i]);
+                            settings.insert("peers".into(), Value::from(vec![other]));
+                        }
                     }
                 }
-                _ => {
-                    if p2p.listen.is_none() {
-                        p2p.listen = Some(format!("127.0.0.1:{}", ports[i]));
-                    }
-                    if p2p.peers.is_empty() {
-                        p2p.peers = vec![format!("127.0.0.1:{}", ports[1 - i])];
-                    }
-                }
-            },
-            // Both instances share the object store: content-addressed objects, no lock.
-            TierSpec::Obj(_) => {}
+            }
+            // Both instances share an object store: content-addressed objects, no lock.
+            _ => {}
         }
     }
     config
@@ -298,14 +322,13 @@ mod tests {
         )
         .unwrap();
         let c = config_for_instance(&base, 1, [10, 20]);
-        match (&c.secondary_tiers[0], &c.secondary_tiers[1]) {
-            (TierSpec::Fs(fs), TierSpec::P2p(p)) => {
-                assert_eq!(fs.root_dir, Path::new("/x/instance-1"));
-                assert_eq!(p.listen.as_deref(), Some("127.0.0.1:20"));
-                assert_eq!(p.peers, ["127.0.0.1:10"]);
-            }
-            other => panic!("unexpected tiers {other:?}"),
-        }
+        let (fs, p2p) = (
+            &c.secondary_tiers[0].settings,
+            &c.secondary_tiers[1].settings,
+        );
+        assert_eq!(fs["root_dir"], "/x/instance-1");
+        assert_eq!(p2p["listen"], "127.0.0.1:20");
+        assert_eq!(p2p["peers"], serde_json::json!(["127.0.0.1:10"]));
     }
 
     #[test]
@@ -315,9 +338,11 @@ mod tests {
              listen = \"127.0.0.1:7070\", peers = [\"127.0.0.1:7071\"] }]\n",
         )
         .unwrap();
-        let p2p = |i| match &config_for_instance(&base, i, [10, 20]).secondary_tiers[0] {
-            TierSpec::P2p(p) => (p.listen.clone().unwrap(), p.peers.clone()),
-            other => panic!("unexpected tier {other:?}"),
+        let p2p = |i| {
+            let c = config_for_instance(&base, i, [10, 20]);
+            let settings = &c.secondary_tiers[0].settings;
+            let peers: Vec<String> = serde_json::from_value(settings["peers"].clone()).unwrap();
+            (settings["listen"].as_str().unwrap().to_owned(), peers)
         };
         assert_eq!(
             p2p(0),

@@ -3,7 +3,23 @@
 use thiserror::Error;
 
 /// What kind of failure an error is, for callers that branch on it.
+///
+/// Non-exhaustive: the kinds grow with the failures callers learn to branch on (peer gone,
+/// corrupt, unsupported); a caller treats an unknown kind as not retryable.
+///
+/// ```compile_fail
+/// // Outside offload-core a match needs a `_` arm:
+/// fn f(x: offload_core::ErrorKind) {
+///     match x {
+///         offload_core::ErrorKind::Transient => {}
+///         offload_core::ErrorKind::NoSpace => {}
+///         offload_core::ErrorKind::Invalid => {}
+///         offload_core::ErrorKind::Invariant => {}
+///     }
+/// }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ErrorKind {
     /// May succeed if tried again later (for example, every slot is in use right now).
     Transient,
@@ -16,7 +32,10 @@ pub enum ErrorKind {
 }
 
 /// Errors of offload-core.
+///
+/// Non-exhaustive: new failures get new variants; branch on [`CoreError::kind`].
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CoreError {
     /// A configuration value is out of range; names the setting.
     #[error("invalid config `{key}`: {reason}")]

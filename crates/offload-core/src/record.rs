@@ -72,7 +72,10 @@ pub fn xxh3_64(bytes: &[u8]) -> u64 {
 }
 
 /// Why a record does not verify.
+///
+/// Non-exhaustive: later format versions may fail in new ways; every variant means "not served".
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum FormatError {
     /// Fewer bytes than the header and payload need.
     Truncated {

@@ -35,6 +35,21 @@ pub trait SlotMemory: Send + Sync {
 }
 
 /// What a tier job does to its chunks.
+///
+/// Exhaustive on purpose, like [`TierLookup`]: a tier must act on every operation and the
+/// manager on every answer, so a new one should break their build rather than reach a `_` arm.
+///
+/// ```
+/// use offload_core::tier::{TierLookup, TierOp};
+/// fn f(op: TierOp, answer: TierLookup) {
+///     match op {
+///         TierOp::Store | TierOp::Load => {}
+///     }
+///     match answer {
+///         TierLookup::Hit | TierLookup::Miss | TierLookup::Retry => {}
+///     }
+/// }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum TierOp {
     /// Copy each chunk's host slot into the tier (a cascade).
@@ -87,7 +102,23 @@ pub enum TierLookup {
 }
 
 /// Why a tier refused a job at submission (it then never completes, since it was not accepted).
+///
+/// Non-exhaustive: a tier may gain reasons to refuse (a third party's tier is built against
+/// this enum, the manager matches it); a caller treats an unknown refusal like
+/// [`SubmitError::Invalid`], final for that job.
+///
+/// ```compile_fail
+/// // Outside offload-core a match needs a `_` arm:
+/// fn f(x: offload_core::tier::SubmitError) {
+///     match x {
+///         offload_core::tier::SubmitError::Busy { .. } => {}
+///         offload_core::tier::SubmitError::ShutDown => {}
+///         offload_core::tier::SubmitError::Invalid(_) => {}
+///     }
+/// }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SubmitError {
     /// The tier's bounded queue is full; submit again later.
     #[error("tier queue full ({in_flight} jobs in flight)")]

@@ -393,7 +393,7 @@ impl<M: OffloadManager> OffloadManager for Lockstep<M> {
             .iter()
             .filter_map(|e| match *e {
                 KvEvent::Removed { key, .. } => Some(key),
-                KvEvent::Stored { .. } => None,
+                _ => None,
             })
             .collect();
         let ready: BTreeSet<ChunkKey> = self

@@ -7,7 +7,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use connector::{ManualClock, SharedTier, TierCall, TieringManager, TieringOptions};
+use connector::testing::{SharedTier, TierCall};
+use connector::{ManualClock, TieringManager, TieringOptions};
 use engine_sim::host::HostMemory;
 use engine_sim::rng::SplitMix64;
 use engine_sim::trace::TraceRecord;

@@ -39,7 +39,21 @@ use reuse::ReuseTracker;
 use table::{mix, IndexTable};
 
 /// Which chunks to evict first.
+///
+/// Non-exhaustive: more policies may come (S3-FIFO, ...); configuration constructs it, code
+/// outside this crate that matches it keeps a `_` arm.
+///
+/// ```compile_fail
+/// // Outside offload-core a match needs a `_` arm:
+/// fn f(x: offload_core::EvictionPolicy) {
+///     match x {
+///         offload_core::EvictionPolicy::Lru => {}
+///         offload_core::EvictionPolicy::Arc => {}
+///     }
+/// }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub enum EvictionPolicy {
     /// Least recently used.
     Lru,
