@@ -116,6 +116,10 @@ struct P2pArgs {
     /// Alternating raw/tier rounds; the best of each is reported.
     #[arg(long, value_name = "N", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=1000))]
     rounds: u64,
+    /// Also measure instances that share a secret (row op fetch-keyed): every DATA payload
+    /// carries a keyed BLAKE3 tag, as between hosts.
+    #[arg(long)]
+    keyed: bool,
 }
 
 /// Eviction policy names on the command line.
@@ -467,6 +471,7 @@ fn bench_p2p_cmd(args: &P2pArgs, json: bool) -> Result<(), Failure> {
         chunk_bytes: bench_data::parse_kib_list(&args.chunk_kib, "--chunk-kib")
             .map_err(Failure::Input)?,
         rounds: args.rounds as usize,
+        keyed: args.keyed,
         ..tier_p2p::bench::P2pBenchConfig::default()
     };
     let mut progress = Progress::new(!json);

@@ -16,7 +16,11 @@
 //! alike; each row has the best round of each, and the median of each round's own tier/raw
 //! ratio (`round_ratio_median`), which a swing of the machine between rounds cannot move the
 //! way it moves a best-of. With the `nixl` feature and `nixl` set, a second fetching instance
-//! moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling).
+//! moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling). With `keyed` set,
+//! a second publisher and fetcher pair that share a secret moves them too (row op
+//! `"fetch-keyed"`, same ceiling): every DATA payload then carries a keyed BLAKE3 tag, computed
+//! by the server for each send and by the client over each received payload, as between hosts,
+//! where a secret is required; the plain rows use the xxh3 checksum of loopback without one.
 //!
 //! Each row also has the CPU time the process spent per GiB moved ([`CpuPerGib`]), on the path
 //! and on the ceiling, summed over all timed passes: on this 2-core machine CPU per byte decides
@@ -59,6 +63,8 @@ pub struct P2pBenchConfig {
     pub slot_count: u32,
     /// Also measure the NIXL data plane (feature `nixl`; an error if NIXL cannot run).
     pub nixl: bool,
+    /// Also measure fetches between instances that share a secret (keyed BLAKE3 tags).
+    pub keyed: bool,
 }
 
 impl Default for P2pBenchConfig {
@@ -70,6 +76,7 @@ impl Default for P2pBenchConfig {
             rounds: 30,
             slot_count: 16,
             nixl: false,
+            keyed: false,
         }
     }
 }
@@ -147,12 +154,19 @@ pub fn run_detailed(
 fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<P2pBenchRow>, f64), String> {
     let count = (config.total_bytes / bytes).max(1);
     let total = count * bytes;
-    let a = publisher(count, bytes, total)?;
+    let a = publisher(count, bytes, total, None)?;
+    let keyed = match config.keyed {
+        true => Some(publisher(count, bytes, total, Some(BENCH_SECRET))?),
+        false => None,
+    };
     let mut raw_memory = RawStream::new(total, bytes * config.slot_count as usize, bytes, total)?;
     let mut raw_hot = RawStream::new(bytes, bytes, bytes, total)?;
     let mut paths = vec![("fetch", fetcher(&a, config, bytes, false)?)];
     if config.nixl {
         paths.push(("fetch-nixl", fetcher(&a, config, bytes, true)?));
+    }
+    if let Some(keyed) = &keyed {
+        paths.push(("fetch-keyed", fetcher(keyed, config, bytes, false)?));
     }
     let mut passes: Vec<Pass<'_>> = paths
         .iter_mut()
@@ -452,18 +466,28 @@ impl Drop for RawStream {
     }
 }
 
-fn bench_config(bytes: usize, total: usize) -> P2pConfig {
+/// The secret shared by the `keyed` publisher and fetcher.
+const BENCH_SECRET: &[u8] = b"kvtier p2p bench secret";
+
+fn bench_config(bytes: usize, total: usize, secret: Option<&[u8]>) -> P2pConfig {
     let mut config = P2pConfig::new(Namespace::new("bench", "flat", 1));
+    config.secret = secret.map(<[u8]>::to_vec);
     config.published_bytes_max = total + bytes;
     config.frame_body_bytes_max = config.frame_body_bytes_max.max(bytes + 64);
     config.fetch_deadline = JOB_DEADLINE;
     config
 }
 
-/// A fresh instance that publishes `count` chunks of `bytes` (all from one filled slot).
-fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String> {
+/// A fresh instance that publishes `count` chunks of `bytes` (all from one filled slot), with
+/// `secret` if any.
+fn publisher(
+    count: usize,
+    bytes: usize,
+    total: usize,
+    secret: Option<&[u8]>,
+) -> Result<P2pTier, String> {
     let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(1, bytes));
-    let mut tier = P2pTier::new(bench_config(bytes, total), memory)
+    let mut tier = P2pTier::new(bench_config(bytes, total, secret), memory)
         .map_err(|e| format!("p2p bench: publisher: {e}"))?;
     let chunks = (0..count)
         .map(|i| (key(i), SlotId(0), bytes as u32))
@@ -481,7 +505,8 @@ fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String
     Ok(tier)
 }
 
-/// A fetching instance with `publisher` as its peer and its own slots; `nixl` picks the data plane.
+/// A fetching instance with `publisher` as its peer (and its secret) and its own slots; `nixl`
+/// picks the data plane.
 fn fetcher(
     publisher: &P2pTier,
     bench: &P2pBenchConfig,
@@ -489,7 +514,7 @@ fn fetcher(
     nixl: bool,
 ) -> Result<P2pTier, String> {
     let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(bench.slot_count, bytes));
-    let mut config = bench_config(bytes, bytes);
+    let mut config = bench_config(bytes, bytes, publisher.config().secret.as_deref());
     config.peers = vec![publisher.local_addr().into()];
     config.nixl = nixl;
     P2pTier::new(config, memory).map_err(|e| format!("p2p bench: fetcher: {e}"))
@@ -583,6 +608,7 @@ mod tests {
             rounds: 1,
             slot_count: 4,
             nixl: false,
+            keyed: false,
         };
         let mut lines = Vec::new();
         let rows = run(&config, &mut |line| lines.push(line.to_owned())).expect("bench runs");
@@ -606,6 +632,7 @@ mod tests {
             rounds: 2,
             slot_count: 4,
             nixl: false,
+            keyed: false,
         };
         let rows = run_detailed(&config, &mut |_| {}).expect("bench runs");
         assert_eq!(rows.len(), 1);
@@ -614,6 +641,25 @@ mod tests {
         // machine moves a GiB with less than a microsecond or more than a minute of CPU.
         for s in [cpu.path_s, cpu.ceiling_s] {
             assert!(s > 1e-6 && s < 60.0, "{cpu:?}");
+        }
+    }
+
+    #[test]
+    fn keyed_run_adds_a_row_fetched_between_instances_with_a_secret() {
+        let config = P2pBenchConfig {
+            total_bytes: 2 * MIB,
+            chunk_bytes: vec![MIB],
+            rounds: 1,
+            slot_count: 2,
+            nixl: false,
+            keyed: true,
+        };
+        let rows = run_detailed(&config, &mut |_| {}).expect("bench runs");
+        let ops: Vec<&str> = rows.iter().map(|r| r.row.op.as_str()).collect();
+        assert_eq!(ops, ["fetch", "fetch-keyed"]);
+        for r in &rows {
+            assert!(r.row.gib_per_s > 0.0 && r.cpu.path_s > 0.0, "{r:?}");
+            assert_eq!(r.row.ceiling_gib_per_s, rows[0].row.ceiling_gib_per_s);
         }
     }
 
