@@ -89,7 +89,7 @@ fn size(bytes: u64) -> String {
 /// The report as a table for people.
 pub fn render(report: &DataBenchReport) -> String {
     let mut out = format!(
-        "bench {}: path vs {} (same run)\n{:>10} {:>6} {:>11} {:>14} {:>7} {:>7}\n",
+        "bench {}: path vs {} (same run)\n{:>10} {:>11} {:>11} {:>14} {:>7} {:>7}\n",
         report.bench,
         report.ceiling,
         "chunk",
@@ -102,7 +102,7 @@ pub fn render(report: &DataBenchReport) -> String {
     for r in &report.rows {
         let median = r.ratio_median.map_or("-".to_owned(), |m| format!("{m:.2}"));
         out.push_str(&format!(
-            "{:>10} {:>6} {:>11.2} {:>14.2} {:>7.2} {median:>7}\n",
+            "{:>10} {:>11} {:>11.2} {:>14.2} {:>7.2} {median:>7}\n",
             size(r.chunk_bytes),
             r.op,
             r.gib_per_s,
@@ -116,7 +116,7 @@ pub fn render(report: &DataBenchReport) -> String {
     for r in &report.rows {
         if let Some(cpu) = r.cpu_s_per_gib {
             out.push_str(&format!(
-                "{:>10} {:>6} CPU s/GiB: path {:.3}, ceiling {:.3} ({:.2}x)\n",
+                "{:>10} {:>11} CPU s/GiB: path {:.3}, ceiling {:.3} ({:.2}x)\n",
                 size(r.chunk_bytes),
                 r.op,
                 cpu.path,
