@@ -21,6 +21,18 @@ pub struct RatioRow {
     /// The median of each round's own path/ceiling ratio, where the bench pairs its rounds
     /// (`fs`, `p2p`); `null` where it does not (`host`).
     pub ratio_median: Option<f64>,
+    /// CPU-seconds the process spent per GiB on the path and on the ceiling, over all their
+    /// passes (`p2p`); `null` where the bench does not measure it.
+    pub cpu_s_per_gib: Option<CpuRow>,
+}
+
+/// CPU-seconds per GiB of the path and of its ceiling, same run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct CpuRow {
+    /// The path's CPU-seconds per GiB.
+    pub path: f64,
+    /// The ceiling's CPU-seconds per GiB.
+    pub ceiling: f64,
 }
 
 /// The result of one `kvtier bench host|fs|p2p` (its `--json` output).
@@ -37,18 +49,26 @@ pub struct DataBenchReport {
 impl DataBenchReport {
     /// The report of `rows` from bench `bench` against `ceiling`.
     pub fn new(bench: &str, ceiling: &str, rows: &[BenchRow]) -> Self {
+        Self::with_cpu(bench, ceiling, rows, &[])
+    }
+
+    /// [`DataBenchReport::new`], with `cpu[i]` the CPU per GiB of `rows[i]` (rows past the end
+    /// of `cpu` have none).
+    pub fn with_cpu(bench: &str, ceiling: &str, rows: &[BenchRow], cpu: &[CpuRow]) -> Self {
         Self {
             bench: bench.into(),
             ceiling: ceiling.into(),
             rows: rows
                 .iter()
-                .map(|r| RatioRow {
+                .enumerate()
+                .map(|(i, r)| RatioRow {
                     op: r.op.clone(),
                     chunk_bytes: r.chunk_bytes,
                     gib_per_s: r.gib_per_s,
                     ceiling_gib_per_s: r.ceiling_gib_per_s,
                     ratio: r.ratio(),
                     ratio_median: r.round_ratio_median,
+                    cpu_s_per_gib: cpu.get(i).copied(),
                 })
                 .collect(),
         }
@@ -69,7 +89,7 @@ fn size(bytes: u64) -> String {
 /// The report as a table for people.
 pub fn render(report: &DataBenchReport) -> String {
     let mut out = format!(
-        "bench {}: path vs {} (same run)\n{:>10} {:>6} {:>11} {:>14} {:>7} {:>7}\n",
+        "bench {}: path vs {} (same run)\n{:>10} {:>11} {:>11} {:>14} {:>7} {:>7}\n",
         report.bench,
         report.ceiling,
         "chunk",
@@ -82,7 +102,7 @@ pub fn render(report: &DataBenchReport) -> String {
     for r in &report.rows {
         let median = r.ratio_median.map_or("-".to_owned(), |m| format!("{m:.2}"));
         out.push_str(&format!(
-            "{:>10} {:>6} {:>11.2} {:>14.2} {:>7.2} {median:>7}\n",
+            "{:>10} {:>11} {:>11.2} {:>14.2} {:>7.2} {median:>7}\n",
             size(r.chunk_bytes),
             r.op,
             r.gib_per_s,
@@ -93,6 +113,18 @@ pub fn render(report: &DataBenchReport) -> String {
     out.push_str(
         "ratio: best path pass over best ceiling pass; median: of each round's own ratio\n",
     );
+    for r in &report.rows {
+        if let Some(cpu) = r.cpu_s_per_gib {
+            out.push_str(&format!(
+                "{:>10} {:>11} CPU s/GiB: path {:.3}, ceiling {:.3} ({:.2}x)\n",
+                size(r.chunk_bytes),
+                r.op,
+                cpu.path,
+                cpu.ceiling,
+                cpu.path / cpu.ceiling
+            ));
+        }
+    }
     out
 }
 
@@ -162,6 +194,26 @@ mod tests {
             assert!(json["rows"][0].get(field).is_some(), "{field}");
         }
         assert!(json["rows"][1]["ratio_median"].is_null());
+        assert!(json["rows"][0]["cpu_s_per_gib"].is_null());
+        assert!(!text.contains("CPU"), "{text}");
+
+        let cpu = [CpuRow {
+            path: 0.5,
+            ceiling: 0.25,
+        }];
+        let report = DataBenchReport::with_cpu("p2p", "raw loopback", &rows, &cpu);
+        let text = render(&report);
+        let cpu_lines: Vec<&str> = text.lines().filter(|l| l.contains("CPU")).collect();
+        assert_eq!(cpu_lines.len(), 1, "{text}");
+        assert!(
+            cpu_lines[0].contains("1 MiB")
+                && cpu_lines[0].contains("path 0.500, ceiling 0.250 (2.00x)"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(json["rows"][0]["cpu_s_per_gib"]["path"], 0.5);
+        assert_eq!(json["rows"][0]["cpu_s_per_gib"]["ceiling"], 0.25);
+        assert!(json["rows"][1]["cpu_s_per_gib"].is_null());
     }
 
     #[test]

@@ -116,6 +116,10 @@ struct P2pArgs {
     /// Alternating raw/tier rounds; the best of each is reported.
     #[arg(long, value_name = "N", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=1000))]
     rounds: u64,
+    /// Also measure instances that share a secret (row op fetch-keyed): every DATA payload
+    /// carries a keyed BLAKE3 tag, as between hosts.
+    #[arg(long)]
+    keyed: bool,
 }
 
 /// Eviction policy names on the command line.
@@ -467,14 +471,24 @@ fn bench_p2p_cmd(args: &P2pArgs, json: bool) -> Result<(), Failure> {
         chunk_bytes: bench_data::parse_kib_list(&args.chunk_kib, "--chunk-kib")
             .map_err(Failure::Input)?,
         rounds: args.rounds as usize,
+        keyed: args.keyed,
         ..tier_p2p::bench::P2pBenchConfig::default()
     };
     let mut progress = Progress::new(!json);
-    let rows = tier_p2p::bench::run(&config, &mut |m| progress.set(m))
+    let detailed = tier_p2p::bench::run_detailed(&config, &mut |m| progress.set(m))
         .map_err(|e| Failure::Check(format!("bench p2p: {e}")))?;
     progress.finish();
     let ceiling = "raw loopback TCP socket with the same write size";
-    print_data_report(&DataBenchReport::new("p2p", ceiling, &rows), json)
+    let cpu: Vec<bench_data::CpuRow> = detailed
+        .iter()
+        .map(|r| bench_data::CpuRow {
+            path: r.cpu.path_s,
+            ceiling: r.cpu.ceiling_s,
+        })
+        .collect();
+    let rows: Vec<_> = detailed.into_iter().map(|r| r.row).collect();
+    let report = DataBenchReport::with_cpu("p2p", ceiling, &rows, &cpu);
+    print_data_report(&report, json)
 }
 
 fn print_run_report(report: &kvtier::instance::RunReport, json: bool) -> Result<(), Failure> {

@@ -2,7 +2,8 @@
 //! same run: a thin command-line wrapper over [`tier_p2p::bench::run`].
 //!
 //! Usage: `cargo run --release -p tier-p2p --example p2p_bench -- [--total-mib N] [--rounds N]
-//! [--chunk-mib N] [--nixl]`. `--chunk-mib` measures that one chunk size only; `--nixl` also
+//! [--chunk-mib N] [--nixl] [--keyed]`. `--chunk-mib` measures that one chunk size only; `--keyed`
+//! also measures instances that share a secret (keyed BLAKE3 tags); `--nixl` also
 //! measures the NIXL data plane (build with `--features nixl` and make the NIXL library
 //! findable, see `tier_p2p::nixl`).
 
@@ -16,13 +17,17 @@ fn main() {
             config.nixl = true;
             continue;
         }
+        if arg == "--keyed" {
+            config.keyed = true;
+            continue;
+        }
         let value: Option<usize> = args.next().and_then(|v| v.parse().ok());
         match (arg.as_str(), value) {
             ("--total-mib", Some(v)) => config.total_bytes = v << 20,
             ("--rounds", Some(v)) => config.rounds = v,
             ("--chunk-mib", Some(v)) => config.chunk_bytes = vec![v << 20],
             _ => {
-                eprintln!("usage: p2p_bench [--total-mib N] [--rounds N] [--chunk-mib N] [--nixl]");
+                eprintln!("usage: p2p_bench [--total-mib N] [--rounds N] [--chunk-mib N] [--nixl] [--keyed]");
                 std::process::exit(2);
             }
         }

@@ -16,8 +16,16 @@
 //! alike; each row has the best round of each, and the median of each round's own tier/raw
 //! ratio (`round_ratio_median`), which a swing of the machine between rounds cannot move the
 //! way it moves a best-of. With the `nixl` feature and `nixl` set, a second fetching instance
-//! moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling). `kvtier bench p2p`
-//! and the `p2p_bench` example call [`run`].
+//! moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling). With `keyed` set,
+//! a second publisher and fetcher pair that share a secret moves them too (row op
+//! `"fetch-keyed"`, same ceiling): every DATA payload then carries a keyed BLAKE3 tag, computed
+//! by the server for each send and by the client over each received payload, as between hosts,
+//! where a secret is required; the plain rows use the xxh3 checksum of loopback without one.
+//!
+//! Each row also has the CPU time the process spent per GiB moved ([`CpuPerGib`]), on the path
+//! and on the ceiling, summed over all timed passes: on this 2-core machine CPU per byte decides
+//! the ratio once another process takes a core, and unlike GiB/s it can be compared while the
+//! machine is busy. `kvtier bench p2p` calls [`run_detailed`], the `p2p_bench` example [`run`].
 
 use std::cell::UnsafeCell;
 use std::io::{IoSlice, Read, Write};
@@ -55,6 +63,8 @@ pub struct P2pBenchConfig {
     pub slot_count: u32,
     /// Also measure the NIXL data plane (feature `nixl`; an error if NIXL cannot run).
     pub nixl: bool,
+    /// Also measure fetches between instances that share a secret (keyed BLAKE3 tags).
+    pub keyed: bool,
 }
 
 impl Default for P2pBenchConfig {
@@ -66,8 +76,28 @@ impl Default for P2pBenchConfig {
             rounds: 30,
             slot_count: 16,
             nixl: false,
+            keyed: false,
         }
     }
+}
+
+/// CPU time of the whole process (every thread: the sending side, the receiving side and, for
+/// the path, the caller polling for completions) per GiB moved, summed over every timed pass.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpuPerGib {
+    /// CPU-seconds per GiB fetched by the path.
+    pub path_s: f64,
+    /// CPU-seconds per GiB moved by the raw loopback stream (the ceiling).
+    pub ceiling_s: f64,
+}
+
+/// One row of [`run_detailed`]: throughput against the ceiling, and CPU per GiB of each.
+#[derive(Clone, Debug, PartialEq)]
+pub struct P2pBenchRow {
+    /// GiB/s of the path and the ceiling.
+    pub row: BenchRow,
+    /// CPU-seconds per GiB of the path and the ceiling.
+    pub cpu: CpuPerGib,
 }
 
 /// Runs the benchmark: one `BenchRow` with op `"fetch"` per chunk size (the tier's GiB/s and
@@ -76,6 +106,15 @@ pub fn run(
     config: &P2pBenchConfig,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<BenchRow>, String> {
+    let rows = run_detailed(config, progress)?;
+    Ok(rows.into_iter().map(|r| r.row).collect())
+}
+
+/// [`run`], with the CPU time per GiB of the path and of the ceiling in each row.
+pub fn run_detailed(
+    config: &P2pBenchConfig,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<P2pBenchRow>, String> {
     if config.rounds == 0 || config.slot_count < 2 {
         return Err(format!(
             "p2p bench: rounds must be >= 1 and slot_count >= 2, got {} and {}",
@@ -90,18 +129,21 @@ pub fn run(
             ));
         }
         let (measured, hot) = measure(config, bytes)?;
-        for row in measured {
+        for P2pBenchRow { row, cpu } in measured {
             progress(&format!(
                 "{} {:>6} KiB: raw tcp {:.2} GiB/s (one cache-resident buffer: {hot:.2}), p2p \
-                 {:.2} GiB/s, ratio {:.2} (median of the rounds' own ratios: {:.2})",
+                 {:.2} GiB/s, ratio {:.2} (median of the rounds' own ratios: {:.2}); CPU s/GiB \
+                 raw {:.3}, p2p {:.3}",
                 row.op,
                 bytes / 1024,
                 row.ceiling_gib_per_s,
                 row.gib_per_s,
                 row.ratio(),
-                row.round_ratio_median.unwrap_or(0.0)
+                row.round_ratio_median.unwrap_or(0.0),
+                cpu.ceiling_s,
+                cpu.path_s,
             ));
-            rows.push(row);
+            rows.push(P2pBenchRow { row, cpu });
         }
     }
     Ok(rows)
@@ -109,15 +151,22 @@ pub fn run(
 
 /// Every path at one chunk size: the TCP row, then the NIXL row if asked; and the best raw
 /// GiB/s from one cache-resident buffer (shown, not a ceiling).
-fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<BenchRow>, f64), String> {
+fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<P2pBenchRow>, f64), String> {
     let count = (config.total_bytes / bytes).max(1);
     let total = count * bytes;
-    let a = publisher(count, bytes, total)?;
+    let a = publisher(count, bytes, total, None)?;
+    let keyed = match config.keyed {
+        true => Some(publisher(count, bytes, total, Some(BENCH_SECRET))?),
+        false => None,
+    };
     let mut raw_memory = RawStream::new(total, bytes * config.slot_count as usize, bytes, total)?;
     let mut raw_hot = RawStream::new(bytes, bytes, bytes, total)?;
     let mut paths = vec![("fetch", fetcher(&a, config, bytes, false)?)];
     if config.nixl {
         paths.push(("fetch-nixl", fetcher(&a, config, bytes, true)?));
+    }
+    if let Some(keyed) = &keyed {
+        paths.push(("fetch-keyed", fetcher(keyed, config, bytes, false)?));
     }
     let mut passes: Vec<Pass<'_>> = paths
         .iter_mut()
@@ -139,20 +188,23 @@ fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<BenchRow>, f64)
     let (mut raw, mut hot) = (0.0f64, 0.0f64);
     let mut best = vec![0.0f64; passes.len()];
     let mut ratios = vec![Vec::new(); passes.len()];
+    // CPU time of the timed passes: the raw ceiling's, and each path's.
+    let mut raw_cpu = Duration::ZERO;
+    let mut path_cpu = vec![Duration::ZERO; passes.len()];
     for round in 0..config.rounds {
         // Raw first in even rounds, last in odd ones: a drift within rounds favours neither.
         let mut tiers = Vec::new();
         if round % 2 == 1 {
-            for pass in &mut passes {
-                tiers.push(pass.run(count)?);
+            for (pass, cpu) in passes.iter_mut().zip(&mut path_cpu) {
+                tiers.push(on_cpu(cpu, || pass.run(count))?);
             }
         }
-        let round_raw = raw_memory.pass()?;
+        let round_raw = on_cpu(&mut raw_cpu, || raw_memory.pass())?;
         raw = raw.max(round_raw);
         hot = hot.max(raw_hot.pass()?);
         if round % 2 == 0 {
-            for pass in &mut passes {
-                tiers.push(pass.run(count)?);
+            for (pass, cpu) in passes.iter_mut().zip(&mut path_cpu) {
+                tiers.push(on_cpu(cpu, || pass.run(count))?);
             }
         }
         for ((tier, best), ratios) in tiers.into_iter().zip(&mut best).zip(&mut ratios) {
@@ -170,19 +222,55 @@ fn measure(config: &P2pBenchConfig, bytes: usize) -> Result<(Vec<BenchRow>, f64)
             ));
         }
     }
+    // Every timed pass, raw or path, moves `total` bytes.
+    let gib = (config.rounds * total) as f64 / GIB;
     let rows = paths
         .iter()
         .zip(best)
         .zip(&mut ratios)
-        .map(|(((op, _), gib_per_s), ratios)| BenchRow {
-            op: (*op).into(),
-            chunk_bytes: bytes as u64,
-            gib_per_s,
-            ceiling_gib_per_s: raw,
-            round_ratio_median: Some(median(ratios)),
+        .zip(path_cpu)
+        .map(|((((op, _), gib_per_s), ratios), cpu)| P2pBenchRow {
+            row: BenchRow {
+                op: (*op).into(),
+                chunk_bytes: bytes as u64,
+                gib_per_s,
+                ceiling_gib_per_s: raw,
+                round_ratio_median: Some(median(ratios)),
+            },
+            cpu: CpuPerGib {
+                path_s: cpu.as_secs_f64() / gib,
+                ceiling_s: raw_cpu.as_secs_f64() / gib,
+            },
         })
         .collect();
     Ok((rows, hot))
+}
+
+/// Runs `f`, adding the CPU time the process spent meanwhile to `total`.
+fn on_cpu<T>(total: &mut Duration, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    let start = process_cpu()?;
+    let result = f()?;
+    *total += process_cpu()?.saturating_sub(start);
+    Ok(result)
+}
+
+/// CPU time used so far by every thread of this process, alive or ended.
+pub fn process_cpu() -> Result<Duration, String> {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `now` is a valid, writable timespec for the call's duration.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut now) };
+    if rc != 0 {
+        let error = std::io::Error::last_os_error();
+        return Err(format!(
+            "p2p bench: clock_gettime(CLOCK_PROCESS_CPUTIME_ID): {error}"
+        ));
+    }
+    let secs = u64::try_from(now.tv_sec).unwrap_or(0);
+    let nanos = u32::try_from(now.tv_nsec).unwrap_or(0);
+    Ok(Duration::new(secs, nanos))
 }
 
 /// Fails unless `tier` fetched its chunks by NIXL (else the row would measure TCP).
@@ -378,18 +466,28 @@ impl Drop for RawStream {
     }
 }
 
-fn bench_config(bytes: usize, total: usize) -> P2pConfig {
+/// The secret shared by the `keyed` publisher and fetcher.
+const BENCH_SECRET: &[u8] = b"kvtier p2p bench secret";
+
+fn bench_config(bytes: usize, total: usize, secret: Option<&[u8]>) -> P2pConfig {
     let mut config = P2pConfig::new(Namespace::new("bench", "flat", 1));
+    config.secret = secret.map(<[u8]>::to_vec);
     config.published_bytes_max = total + bytes;
     config.frame_body_bytes_max = config.frame_body_bytes_max.max(bytes + 64);
     config.fetch_deadline = JOB_DEADLINE;
     config
 }
 
-/// A fresh instance that publishes `count` chunks of `bytes` (all from one filled slot).
-fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String> {
+/// A fresh instance that publishes `count` chunks of `bytes` (all from one filled slot), with
+/// `secret` if any.
+fn publisher(
+    count: usize,
+    bytes: usize,
+    total: usize,
+    secret: Option<&[u8]>,
+) -> Result<P2pTier, String> {
     let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(1, bytes));
-    let mut tier = P2pTier::new(bench_config(bytes, total), memory)
+    let mut tier = P2pTier::new(bench_config(bytes, total, secret), memory)
         .map_err(|e| format!("p2p bench: publisher: {e}"))?;
     let chunks = (0..count)
         .map(|i| (key(i), SlotId(0), bytes as u32))
@@ -407,7 +505,8 @@ fn publisher(count: usize, bytes: usize, total: usize) -> Result<P2pTier, String
     Ok(tier)
 }
 
-/// A fetching instance with `publisher` as its peer and its own slots; `nixl` picks the data plane.
+/// A fetching instance with `publisher` as its peer (and its secret) and its own slots; `nixl`
+/// picks the data plane.
 fn fetcher(
     publisher: &P2pTier,
     bench: &P2pBenchConfig,
@@ -415,7 +514,7 @@ fn fetcher(
     nixl: bool,
 ) -> Result<P2pTier, String> {
     let memory: Arc<dyn SlotMemory> = Arc::new(FlatSlotMemory::new(bench.slot_count, bytes));
-    let mut config = bench_config(bytes, bytes);
+    let mut config = bench_config(bytes, bytes, publisher.config().secret.as_deref());
     config.peers = vec![publisher.local_addr().into()];
     config.nixl = nixl;
     P2pTier::new(config, memory).map_err(|e| format!("p2p bench: fetcher: {e}"))
@@ -509,6 +608,7 @@ mod tests {
             rounds: 1,
             slot_count: 4,
             nixl: false,
+            keyed: false,
         };
         let mut lines = Vec::new();
         let rows = run(&config, &mut |line| lines.push(line.to_owned())).expect("bench runs");
@@ -522,6 +622,65 @@ mod tests {
             let median = row.round_ratio_median.expect("paired rounds give a median");
             assert!(median > 0.0 && median.is_finite(), "{row:?}");
         }
+    }
+
+    #[test]
+    fn detailed_run_reports_cpu_per_gib_of_path_and_ceiling() {
+        let config = P2pBenchConfig {
+            total_bytes: 4 * MIB,
+            chunk_bytes: vec![MIB],
+            rounds: 2,
+            slot_count: 4,
+            nixl: false,
+            keyed: false,
+        };
+        let rows = run_detailed(&config, &mut |_| {}).expect("bench runs");
+        assert_eq!(rows.len(), 1);
+        let cpu = rows[0].cpu;
+        // Moving bytes over loopback costs CPU on both sides: neither can be free, and no
+        // machine moves a GiB with less than a microsecond or more than a minute of CPU.
+        for s in [cpu.path_s, cpu.ceiling_s] {
+            assert!(s > 1e-6 && s < 60.0, "{cpu:?}");
+        }
+    }
+
+    #[test]
+    fn keyed_run_adds_a_row_fetched_between_instances_with_a_secret() {
+        let config = P2pBenchConfig {
+            total_bytes: 2 * MIB,
+            chunk_bytes: vec![MIB],
+            rounds: 1,
+            slot_count: 2,
+            nixl: false,
+            keyed: true,
+        };
+        let rows = run_detailed(&config, &mut |_| {}).expect("bench runs");
+        let ops: Vec<&str> = rows.iter().map(|r| r.row.op.as_str()).collect();
+        assert_eq!(ops, ["fetch", "fetch-keyed"]);
+        for r in &rows {
+            assert!(r.row.gib_per_s > 0.0 && r.cpu.path_s > 0.0, "{r:?}");
+            assert_eq!(r.row.ceiling_gib_per_s, rows[0].row.ceiling_gib_per_s);
+        }
+    }
+
+    #[test]
+    fn process_cpu_counts_work_of_other_threads() {
+        let before = process_cpu().expect("process CPU clock");
+        let spin = std::thread::spawn(|| {
+            let start = Instant::now();
+            let mut x = 0u64;
+            while start.elapsed() < Duration::from_millis(50) {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+            x
+        });
+        spin.join().expect("spinning thread");
+        let used = process_cpu()
+            .expect("process CPU clock")
+            .saturating_sub(before);
+        // The spinning thread alone ran for 50 ms of wall time; on a loaded machine it may get
+        // less than all of it, but not less than a tenth.
+        assert!(used >= Duration::from_millis(5), "{used:?}");
     }
 
     #[test]
