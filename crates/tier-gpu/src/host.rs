@@ -36,27 +36,28 @@ unsafe impl Send for HostPoolMemory {}
 // SAFETY: as above; `&self` methods only copy bytes of slots the caller owns by that contract.
 unsafe impl Sync for HostPoolMemory {}
 
+/// Bytes of a pool of `slot_count` slots of `slot_bytes`, or why that is no size.
+fn pool_bytes(slot_bytes: usize, slot_count: u32) -> io::Result<usize> {
+    slot_bytes
+        .checked_mul(slot_count as usize)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("host pool of {slot_count} slots of {slot_bytes} bytes: bad size"),
+            )
+        })
+}
+
 impl HostPoolMemory {
     /// Maps `slot_count` slots of `slot_bytes` each and prefaults them in parallel.
     pub fn new(slot_bytes: usize, slot_count: u32) -> io::Result<Self> {
-        let bytes = slot_bytes
-            .checked_mul(slot_count as usize)
-            .filter(|&b| b > 0)
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("host pool of {slot_count} slots of {slot_bytes} bytes: bad size"),
-                )
-            })?;
-        let mut map = memmap2::MmapOptions::new().len(bytes).map_anon()?;
-        let base =
-            NonNull::new(map.as_mut_ptr()).ok_or_else(|| io::Error::other("null mapping"))?;
-        let pool = Self {
-            map,
-            base,
+        let bytes = pool_bytes(slot_bytes, slot_count)?;
+        let pool = Self::over(
+            memmap2::MmapOptions::new().len(bytes).map_anon()?,
             slot_bytes,
             slot_count,
-        };
+        )?;
         pool.prefault();
         Ok(pool)
     }
@@ -72,15 +73,7 @@ impl HostPoolMemory {
     ) -> io::Result<Self> {
         use std::os::unix::fs::OpenOptionsExt;
 
-        let bytes = slot_bytes
-            .checked_mul(slot_count as usize)
-            .filter(|&b| b > 0)
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidInput,
-                    format!("host pool of {slot_count} slots of {slot_bytes} bytes: bad size"),
-                )
-            })?;
+        let bytes = pool_bytes(slot_bytes, slot_count)?;
         let with_path = |e: io::Error| {
             io::Error::new(e.kind(), format!("host pool file {}: {e}", path.display()))
         };
@@ -108,18 +101,23 @@ impl HostPoolMemory {
         // SAFETY: the mapping is of a file this pool's users share on purpose; concurrent access
         // to slot bytes follows the Tier/TransferEngine ownership contract across processes, as
         // within one. Nobody truncates the file while it is mapped (only removed after use).
-        let mut map =
+        let map =
             unsafe { memmap2::MmapOptions::new().len(bytes).map_mut(&file) }.map_err(with_path)?;
+        let pool = Self::over(map, slot_bytes, slot_count)?;
+        pool.prefault_shared();
+        Ok(pool)
+    }
+
+    /// The pool over `map` (of `slot_count` slots of `slot_bytes`), not yet prefaulted.
+    fn over(mut map: memmap2::MmapMut, slot_bytes: usize, slot_count: u32) -> io::Result<Self> {
         let base =
             NonNull::new(map.as_mut_ptr()).ok_or_else(|| io::Error::other("null mapping"))?;
-        let pool = Self {
+        Ok(Self {
             map,
             base,
             slot_bytes,
             slot_count,
-        };
-        pool.prefault_shared();
-        Ok(pool)
+        })
     }
 
     /// Touches every page of a shared mapping without changing its bytes (another process may
