@@ -494,14 +494,8 @@ impl Worker {
             if !idle && (full || !self.finished.is_empty()) {
                 return true;
             }
-            let msg = if idle {
-                jobs.recv().ok()
-            } else {
-                match jobs.try_recv() {
-                    Ok(msg) => Some(msg),
-                    Err(crossbeam_channel::TryRecvError::Empty) => return true,
-                    Err(crossbeam_channel::TryRecvError::Disconnected) => None,
-                }
+            let Some(msg) = next_msg(jobs, idle) else {
+                return true;
             };
             match msg {
                 Some(Msg::Job(job)) => self.start_load(job),
@@ -746,14 +740,8 @@ impl Worker {
             if !idle && self.active_bytes >= self.settings.batch_bytes_max as u64 {
                 return true;
             }
-            let msg = if idle {
-                jobs.recv().ok()
-            } else {
-                match jobs.try_recv() {
-                    Ok(msg) => Some(msg),
-                    Err(crossbeam_channel::TryRecvError::Empty) => return true,
-                    Err(crossbeam_channel::TryRecvError::Disconnected) => None,
-                }
+            let Some(msg) = next_msg(jobs, idle) else {
+                return true;
             };
             match msg {
                 Some(Msg::Job(job)) if job.op == TierOp::Store => self.start_store(&job),
@@ -2288,6 +2276,19 @@ fn give_up_segments(
     for seg in segments.drain(..) {
         index.release(SEAL_BYTES);
         index.set_state(seg.id, SegmentState::Sealed);
+    }
+}
+
+/// A worker's next message: waited for if it is `idle`, else one already queued. `None`: nothing
+/// is queued (only when not idle); `Some(None)`: the channel is closed.
+fn next_msg(jobs: &Receiver<Msg>, idle: bool) -> Option<Option<Msg>> {
+    if idle {
+        return Some(jobs.recv().ok());
+    }
+    match jobs.try_recv() {
+        Ok(msg) => Some(Some(msg)),
+        Err(crossbeam_channel::TryRecvError::Empty) => None,
+        Err(crossbeam_channel::TryRecvError::Disconnected) => Some(None),
     }
 }
 
