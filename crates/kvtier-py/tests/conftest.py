@@ -211,12 +211,12 @@ def vllm_ok():
     need_vllm()
 
 
-@pytest.fixture
-def engines():
+def closing_factory(cls):
+    """A fixture's body: yields a factory of `cls` objects and closes every one it made."""
     made = []
 
-    def make(tier_configs, **kw):
-        e = Engine(tier_configs, **kw)
+    def make(*args, **kw):
+        e = cls(*args, **kw)
         made.append(e)
         return e
 
@@ -226,3 +226,26 @@ def engines():
             e.close()
         except Exception:  # noqa: BLE001 - a test that already closed it
             pass
+
+
+def registry_metric_types():
+    """A fresh prometheus_client registry and vLLM's metric classes bound to it (vLLM binds
+    them to its own), as vLLM's Prometheus builders take them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    reg = CollectorRegistry()
+
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *a, **kw):
+                kw.pop("multiprocess_mode", None)
+                super().__init__(*a, registry=reg, **kw)
+
+        return Bound
+
+    return reg, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
+
+
+@pytest.fixture
+def engines():
+    yield from closing_factory(Engine)

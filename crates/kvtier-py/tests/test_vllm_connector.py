@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from conftest import VLLM_ERROR, need_vllm
+from conftest import VLLM_ERROR, closing_factory, need_vllm, registry_metric_types
 
 pytestmark = pytest.mark.usefixtures("vllm_ok")
 
@@ -31,19 +31,7 @@ def config(tmp_path=None, slots=256, **kw):
 def engines():
     from connector_driver import Engine
 
-    made = []
-
-    def make(extra, **kw):
-        e = Engine(extra, **kw)
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        try:
-            e.close()
-        except Exception:  # noqa: BLE001 - a test that already closed it
-            pass
+    yield from closing_factory(Engine)
 
 
 def test_vllm_connector_tests_ran():
@@ -261,23 +249,6 @@ def test_unknown_setting_is_refused_by_name():
         KvtierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(64))
 
 
-def _registry_metric_types():
-    """vLLM's metric classes, bound to a fresh registry (vLLM binds them to its own)."""
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    reg = CollectorRegistry()
-
-    def bound(cls):
-        class Bound(cls):
-            def __init__(self, *a, **kw):
-                kw.pop("multiprocess_mode", None)
-                super().__init__(*a, registry=reg, **kw)
-
-        return Bound
-
-    return reg, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)}
-
-
 def test_metrics_reach_prometheus_under_vllms_names(engines):
     from connector_driver import prompt
     from kvtier.vllm.connector import KvtierConnector
@@ -293,7 +264,7 @@ def test_metrics_reach_prometheus_under_vllms_names(engines):
     total = KvtierConnector.build_kv_connector_stats()
     for s in e.worker_stats + e.sched_stats:
         total = total.aggregate(KvtierConnector.build_kv_connector_stats(data=s.to_dict()))
-    reg, types = _registry_metric_types()
+    reg, types = registry_metric_types()
     prom = KvtierConnector.build_prom_metrics(e.cfg, types, ["model_name", "engine"],
                                               {0: ["tiny", "0"]})
     prom.observe(total.to_dict(), engine_idx=0)

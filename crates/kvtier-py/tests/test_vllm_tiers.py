@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import VLLM_ERROR, chunk_bytes, need_vllm, prefix_keys
+from conftest import VLLM_ERROR, chunk_bytes, need_vllm, prefix_keys, registry_metric_types
 
 pytestmark = pytest.mark.usefixtures("vllm_ok")
 
@@ -182,19 +182,9 @@ def test_tier_metrics_reach_prometheus_through_vllms_tiering_spec(engines, tmp_p
     vLLM's, in a real prometheus_client registry, and records a real store and load."""
     from types import SimpleNamespace
 
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 
-    reg = CollectorRegistry()
-
-    def bound(cls):
-        class Bound(cls):
-            def __init__(self, *a, **kw):
-                kw.pop("multiprocess_mode", None)
-                super().__init__(*a, registry=reg, **kw)
-
-        return Bound
-
+    reg, types = registry_metric_types()
     entry = fs_entry(tmp_path)
     keys = prefix_keys("prom", 4)
     e = engines([entry])
@@ -208,9 +198,7 @@ def test_tier_metrics_reach_prometheus_through_vllms_tiering_spec(engines, tmp_p
         stats = e.manager.get_stats()
     extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [entry]}
     cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
-    prom = OffloadPromMetrics(
-        cfg, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
-        ["engine"], {0: ["0"]})
+    prom = OffloadPromMetrics(cfg, types, ["engine"], {0: ["0"]})
     prom.observe(stats.to_dict(), engine_idx=0)
     row = e.tiers[0].block_size_bytes
     got = reg.get_sample_value("kvtier:store_bytes_total", {"engine": "0", "tier": "kvtier-fs"})
