@@ -68,4 +68,4 @@ pub use tiering::{
     HOST_TIER_NAME, RESET_DRAIN_POLL_INTERVAL_NS, TIERS_MAX,
 };
 #[cfg(feature = "gpu")]
-pub use worker::{WorkerCounters, WorkerHandle};
+pub use worker::{WorkerCounters, WorkerHandle, WORKER_DRAIN_DEADLINE};
