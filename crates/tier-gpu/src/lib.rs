@@ -91,7 +91,7 @@ pub trait TransferEngine: Send {
     /// Like [`TransferEngine::drain`], but returns at `deadline` (a copy thread or stream that
     /// stopped making progress); returns whether every job completed. Jobs not completed stay
     /// in flight, the memory they name theirs, and a later `poll` reports them. The default
-    /// waits without a bound and answers `true` (the CUDA engine; the host engine bounds it).
+    /// waits without a bound and answers `true`; the host and CUDA engines bound it.
     fn drain_until(&mut self, deadline: std::time::Instant) -> bool {
         let _ = deadline;
         self.drain();
