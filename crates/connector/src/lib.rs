@@ -72,7 +72,7 @@ pub use tiering::{
     HOST_TIER_NAME, RESET_DRAIN_POLL_INTERVAL_NS, TIERS_MAX,
 };
 #[cfg(feature = "gpu")]
-pub use worker::{WorkerCounters, WorkerHandle};
+pub use worker::{WorkerCounters, WorkerHandle, WORKER_DRAIN_DEADLINE};
 
 /// Seams for tests and simulators, kept out of the crate root: [`SharedTier`](crate::shared::SharedTier) (a tier behind a
 /// shared lock with a call log, so the builder keeps a handle to a tier it gave the manager, for

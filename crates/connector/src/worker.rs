@@ -17,6 +17,7 @@
 //! engine was busy) keeps its dependency.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use offload_core::{ConnectorMeta, Job, JobAck, JobId, WorkerOutput};
 use tier_gpu::{TransferDone, TransferEngine, TransferError};
@@ -41,6 +42,10 @@ pub struct WorkerCounters {
     /// been drained (nothing in flight): waiting longer cannot help, so they were acknowledged
     /// as failed instead of retried forever.
     pub jobs_refused_when_drained: u64,
+    /// Drains ([`WorkerHandle::drain`]) that returned at their deadline with transfers still
+    /// in flight (the engine's copies or stream stopped making progress); those jobs stay in
+    /// flight and a later `take_output` reports them.
+    pub engine_drain_timeouts: u64,
 }
 
 /// One worker's side of kvtier over a transfer engine `E`.
@@ -53,12 +58,23 @@ pub struct WorkerHandle<E: TransferEngine> {
     acks: Vec<JobAck>,
     done: Vec<TransferDone>,
     counters: WorkerCounters,
+    /// How long one [`WorkerHandle::drain`] waits for the engine.
+    drain_deadline: Duration,
 }
 
+/// The default of [`WorkerHandle::drain`]'s deadline.
+pub const WORKER_DRAIN_DEADLINE: Duration = Duration::from_secs(30);
+
 impl<E: TransferEngine> WorkerHandle<E> {
-    /// Worker `rank` over `engine`.
+    /// Worker `rank` over `engine`; a drain waits at most [`WORKER_DRAIN_DEADLINE`].
     pub fn new(rank: u32, engine: E) -> Self {
+        Self::with_drain_deadline(rank, engine, WORKER_DRAIN_DEADLINE)
+    }
+
+    /// Worker `rank` over `engine`; a drain waits at most `drain_deadline` for the engine.
+    pub fn with_drain_deadline(rank: u32, engine: E, drain_deadline: Duration) -> Self {
         Self {
+            drain_deadline,
             rank,
             engine,
             queued: VecDeque::new(),
@@ -131,17 +147,35 @@ impl<E: TransferEngine> WorkerHandle<E> {
     /// are reported by the next [`WorkerHandle::take_output`]. Bounded: each queued job costs at
     /// most one drain of the engine, and one the drained engine still refuses as busy is
     /// acknowledged as failed (`jobs_refused_when_drained`).
-    pub fn drain(&mut self) {
+    ///
+    /// Each wait on the engine is bounded by the drain deadline: past it the drain returns
+    /// `false` (counted in `engine_drain_timeouts`), the jobs in flight stay in flight (their
+    /// memory theirs) and the queued ones queued; a later `take_output` reports them.
+    pub fn drain(&mut self) -> bool {
         while !self.queued.is_empty() {
-            self.engine.drain();
+            if !self.drain_engine() {
+                return false;
+            }
             self.reap();
             if !self.try_submit_front() {
                 self.fail_front_refused_when_drained();
             }
             self.submit_queued();
         }
-        self.engine.drain();
+        let drained = self.drain_engine();
         self.reap();
+        drained
+    }
+
+    /// Drains the engine for at most the drain deadline; counts a timeout.
+    fn drain_engine(&mut self) -> bool {
+        let drained = self
+            .engine
+            .drain_until(Instant::now() + self.drain_deadline);
+        if !drained {
+            self.counters.engine_drain_timeouts += 1;
+        }
+        drained
     }
 
     /// Acknowledges as failed, without submitting them, the queued jobs older than `floor`.

@@ -22,6 +22,9 @@ struct Scripted {
     latency: u32,
     /// Refuse every submit as busy, even when idle (a broken or wedged engine).
     always_busy: bool,
+    /// Accepted jobs never complete (copies that stopped making progress): an unbounded
+    /// `drain` would never return, so it panics; `drain_until` returns `false`.
+    stuck: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Submit calls so far; a caller that loops on a busy engine without bound trips a panic.
     submit_calls: u32,
     bad: Vec<u64>,
@@ -37,12 +40,19 @@ impl Scripted {
             max,
             latency: 1,
             always_busy: false,
+            stuck: Default::default(),
             submit_calls: 0,
             bad: Vec::new(),
             held: VecDeque::new(),
             log: Vec::new(),
             after: Vec::new(),
         }
+    }
+}
+
+impl Scripted {
+    fn is_stuck(&self) -> bool {
+        self.stuck.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -73,6 +83,9 @@ impl TransferEngine for Scripted {
         Ok(())
     }
     fn poll(&mut self, out: &mut Vec<TransferDone>) {
+        if self.is_stuck() {
+            return;
+        }
         let mut keep = VecDeque::new();
         for (job, left) in self.held.drain(..) {
             if left == 0 {
@@ -94,10 +107,22 @@ impl TransferEngine for Scripted {
         }
     }
     fn drain(&mut self) {
+        assert!(
+            !self.is_stuck() || self.held.is_empty(),
+            "an unbounded drain of a stuck engine never returns"
+        );
         self.log.push(Event::Drain);
         for h in &mut self.held {
             h.1 = 0;
         }
+    }
+    fn drain_until(&mut self, _deadline: std::time::Instant) -> bool {
+        if self.is_stuck() && !self.held.is_empty() {
+            self.log.push(Event::Drain);
+            return false;
+        }
+        self.drain();
+        true
     }
 }
 
@@ -334,4 +359,33 @@ fn drain_and_flush_end_against_an_engine_that_stays_busy_when_idle() {
         acked(&[w.take_output()]).is_empty(),
         "each job reported once"
     );
+}
+
+#[test]
+fn drain_returns_at_its_deadline_when_the_engine_is_stuck_and_reports_the_jobs_later() {
+    // Issue 18 item 5: the worker's drain waited on the engine's drain with no bound (a GPU
+    // stream or copy thread that stopped). It now waits at most its deadline, says so, counts
+    // it, and the jobs stay in flight until the engine reports them.
+    let engine = Scripted::new(1);
+    let stuck = std::sync::Arc::clone(&engine.stuck);
+    stuck.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut w = WorkerHandle::with_drain_deadline(0, engine, std::time::Duration::from_millis(1));
+    w.after_compute(
+        &ConnectorMeta {
+            stores: (1..3).map(|i| job(i, JobKind::Store)).collect(),
+            ..ConnectorMeta::default()
+        },
+        None,
+    );
+    assert!(!w.drain(), "a stuck engine: the drain gave up");
+    assert!(!w.drain());
+    assert_eq!(w.counters().engine_drain_timeouts, 2);
+    assert!(
+        acked(&[w.take_output()]).is_empty(),
+        "jobs in flight and queued are not reported while the engine holds them"
+    );
+    stuck.store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(w.drain());
+    assert_eq!(acked(&[w.take_output()]), vec![(1, true), (2, true)]);
+    assert_eq!(w.counters().engine_drain_timeouts, 2);
 }

@@ -685,9 +685,11 @@ impl PyConnectorWorker {
         locked(&self.state).jobs.len()
     }
 
-    /// Blocks (without the GIL) until every job given was copied; `take_output` reports them.
-    fn drain(&self, py: Python<'_>) {
-        py.detach(|| locked(&self.state).handle.drain());
+    /// Blocks (without the GIL) until every job given was copied, at most the worker's drain
+    /// deadline (30 s; counted in `engine_drain_timeouts`); returns whether every job was.
+    /// `take_output` reports them (those past the deadline later).
+    fn drain(&self, py: Python<'_>) -> bool {
+        py.detach(|| locked(&self.state).handle.drain())
     }
 
     /// The worker's counters.
@@ -695,6 +697,7 @@ impl PyConnectorWorker {
         let c = locked(&self.state).handle.counters();
         let d = PyDict::new(py);
         d.set_item("jobs_submitted", c.jobs_submitted)?;
+        d.set_item("engine_drain_timeouts", c.engine_drain_timeouts)?;
         d.set_item("jobs_ok", c.jobs_ok)?;
         d.set_item("jobs_failed", c.jobs_failed)?;
         d.set_item("submits_busy", c.submits_busy)?;

@@ -521,10 +521,20 @@ impl PyTier {
         lock(&self.state).tier.cancel(JobId(job_id));
     }
 
-    /// Blocks (without the GIL) until every submitted job has completed; their completions then
-    /// wait for `poll`.
-    fn drain(&self, py: Python<'_>) {
-        py.detach(|| lock(&self.state).tier.drain());
+    /// Blocks (without the GIL) until every submitted job has completed (their completions then
+    /// wait for `poll`) or the tier's drain deadline passes (fs: 30 s, counted in the stats'
+    /// `drain_timeouts`); returns whether every job completed. Jobs not completed stay in
+    /// flight and a later `poll` reports them. The p2p tier does not wait for a job whose NIXL
+    /// READ is stuck (it completes when NIXL ends the READ) and answers `True`.
+    fn drain(&self, py: Python<'_>) -> bool {
+        py.detach(|| {
+            let mut st = lock(&self.state);
+            st.tier.drain();
+            match &st.tier {
+                Inner::Fs(t) => t.jobs_unfinished() == 0,
+                Inner::P2p(_) => true,
+            }
+        })
     }
 
     /// The request finished: every store for it was submitted.
@@ -576,6 +586,9 @@ impl PyTier {
                 d.set_item("evicted_bytes", s.evicted_bytes)?;
                 d.set_item("chunks_found_at_start", s.chunks_found_at_start)?;
                 d.set_item("failures", s.failures_total())?;
+                d.set_item("drain_timeouts", s.drain_timeouts)?;
+                d.set_item("shutdown_timeouts", s.shutdown_timeouts)?;
+                d.set_item("threads_detached", s.threads_detached)?;
                 d.set_item("chunk_count", t.chunk_count())?;
                 d.set_item("used_bytes", t.used_bytes())?;
             }

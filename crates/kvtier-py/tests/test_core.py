@@ -131,3 +131,42 @@ def test_rust_warnings_reach_python_logging_once_per_window(caplog):
     assert any("marked down" in r.getMessage() and dead in r.getMessage() for r in rust)
     texts = [r.getMessage() for r in rust]
     assert len(texts) == len(set(texts)), f"repeats were not suppressed: {texts}"
+
+
+class _HungDrain:
+    """The real native tier, except that `drain` answers as one whose deadline passed with jobs
+    still in flight (a disk that stops answering)."""
+
+    def __init__(self, tier):
+        self._tier = tier
+        self.drains = 0
+
+    def drain(self):
+        self.drains += 1
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._tier, name)
+
+
+def test_drain_is_bounded_and_says_when_the_tier_gave_up(tmp_path, caplog):
+    # Issue 18 item 5: TierCore.drain waited on an unbounded native drain and returned nothing.
+    # The native drain now stops at the tier's deadline and says so; TierCore.drain returns
+    # False, counts it, logs once, and the job is still reported by a later poll.
+    core, buf = make_core(tmp_path)
+    assert core.drain() is True, "nothing in flight: a drain completes"
+    buf[0:SLOT] = content(0)
+    core.submit(1, "store", [key(0)], [0], "r")
+    hung = _HungDrain(core.tier)
+    core.tier = hung
+    with caplog.at_level("WARNING", logger="kvtier.tiers"):
+        assert core.drain() is False
+        assert core.drain() is False
+    assert hung.drains == 2, "one bounded native wait per drain, no retry loop"
+    assert core.take_counters().get("drain_timeouts") == 2
+    warned = [r for r in caplog.records if "drain gave up" in r.getMessage()]
+    assert len(warned) == 1, warned
+    core.tier = hung._tier
+    (done,) = wait(core, 1)
+    assert done.job_id == 1 and done.success
+    assert core.tier.stats()["drain_timeouts"] == 0

@@ -150,7 +150,10 @@ pub enum SubmitError {
 /// * **Cancel** is a request: the job still completes exactly once, with the keys not transferred
 ///   listed as failed. A load completion may list as failed only keys whose slots hold no valid data.
 /// * **Drain** blocks until every accepted job has completed and its completion is queued for
-///   `poll`; the tier stays usable afterwards.
+///   `poll`; the tier stays usable afterwards. A tier may bound that wait by a deadline of its
+///   configuration (a disk that stops answering): past it, `drain` returns with the jobs not
+///   reported yet still in flight (their slots still theirs), reported by a later `poll` or at
+///   shutdown, and the tier counts it. Callers that need every job reported poll until they are.
 /// * **Shutdown** cancels and drains; after it, `submit` answers [`SubmitError::ShutDown`] and `poll`
 ///   still returns the remaining completions.
 /// * **Integrity.** A load never reports success for bytes that differ from what was stored under

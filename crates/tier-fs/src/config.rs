@@ -110,6 +110,11 @@ pub struct FsTierConfig {
     /// memory (its `Arc`) and, for the writer, the directory lock, so nothing they may still
     /// touch is freed or taken by another instance.
     pub shutdown_deadline: Duration,
+    /// How long [`Tier::drain`](offload_core::tier::Tier::drain) waits for the jobs in flight
+    /// (default 30 s). Past it the drain returns, counted in `FsStats::drain_timeouts` and warned
+    /// about once per tier: the jobs not reported yet stay in flight, their slots theirs, and
+    /// `poll` or the shutdown reports them later. [`crate::FsTier::drain_until`] says which.
+    pub drain_deadline: Duration,
 }
 
 impl FsTierConfig {
@@ -136,6 +141,7 @@ impl FsTierConfig {
             faults: FaultPlan::default(),
             zero_copy_loads: false,
             shutdown_deadline: Duration::from_secs(30),
+            drain_deadline: Duration::from_secs(30),
         }
     }
 
@@ -185,6 +191,9 @@ impl FsTierConfig {
         }
         if self.shutdown_deadline.is_zero() {
             return fail("shutdown_deadline", "must be positive");
+        }
+        if self.drain_deadline.is_zero() {
+            return fail("drain_deadline", "must be positive");
         }
         if self.shared_dir && self.probe_deadline.is_zero() {
             return fail("probe_deadline", "must be positive when shared_dir is set");

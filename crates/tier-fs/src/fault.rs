@@ -11,6 +11,8 @@
 //!   disk is corrupt) or after the read (read: the buffer is corrupt).
 //! - `Stall`: the writer hangs at the call (a disk that stops answering) until
 //!   `FsTier::release_stalls` or for 10 s; then it goes on as if nothing happened (open only).
+//!   At the probe site the probe thread of a shared directory hangs that way before it lists the
+//!   directory for a probed key.
 
 use std::io;
 
@@ -25,6 +27,8 @@ pub enum FaultSite {
     Write,
     /// The read of a load.
     Read,
+    /// The probe thread's listing of a shared directory for a probed key (`Stall` only).
+    Probe,
 }
 
 /// What is injected.
@@ -40,7 +44,7 @@ pub enum Fault {
     Short,
     /// A flipped payload byte (write, read).
     Corrupt,
-    /// The call hangs until released (open).
+    /// The call hangs until released (open, probe).
     Stall,
 }
 
@@ -48,10 +52,11 @@ impl Fault {
     /// Whether this fault can be injected at `site`.
     pub fn applies_to(self, site: FaultSite) -> bool {
         match self {
+            Fault::Stall => matches!(site, FaultSite::Open | FaultSite::Probe),
+            _ if site == FaultSite::Probe => false,
             Fault::Einval | Fault::Eio => true,
             Fault::Enospc => site != FaultSite::Read,
             Fault::Short | Fault::Corrupt => site != FaultSite::Open,
-            Fault::Stall => site == FaultSite::Open,
         }
     }
 

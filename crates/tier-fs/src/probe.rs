@@ -18,6 +18,7 @@ use offload_core::tier::TierLookup;
 use offload_core::ChunkKey;
 
 use crate::error::FsError;
+use crate::fault::{Fault, FaultSite};
 use crate::index::{SegmentId, SegmentState};
 use crate::layout::{parse_segment_file_name, Layout};
 use crate::scan::Scanned;
@@ -69,6 +70,9 @@ impl Prober {
                 while let Ok(first) = inbox.recv() {
                     if thread_stop.load(Ordering::Relaxed) {
                         break;
+                    }
+                    if shared.fault(FaultSite::Probe, first, false) == Some(Fault::Stall) {
+                        stall(&shared);
                     }
                     let mut keys = vec![first];
                     keys.extend(inbox.try_iter());
@@ -152,21 +156,57 @@ impl Prober {
         }
     }
 
-    /// Stops the thread (queued probes are skipped) and joins it.
-    pub(crate) fn stop(&mut self) {
+    /// Stops the thread (queued probes are skipped) and joins it if it ends by `deadline`
+    /// (polling: a thread stuck listing a hung directory cannot be interrupted); past it the
+    /// thread is detached (it holds only its own `Arc`s), counted in `threads_detached` and
+    /// `false` is returned. Idempotent.
+    pub(crate) fn stop(&mut self, deadline: Instant, shared: &Shared) -> bool {
         self.stop.store(true, Ordering::Relaxed);
         self.requests = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        let Some(thread) = self.thread.take() else {
+            return true;
+        };
+        while !thread.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(STOP_POLL_INTERVAL);
         }
+        if thread.is_finished() {
+            let _ = thread.join();
+            return true;
+        }
+        // Dropping the handle detaches the thread.
+        add(&shared.stats.threads_detached, 1);
+        false
     }
 }
 
 impl Drop for Prober {
     fn drop(&mut self) {
-        self.stop();
+        // Without the tier's state: the thread is asked to stop and detached if still running
+        // (the tier stops it with its deadline before; this covers an early error in start).
+        self.stop.store(true, Ordering::Relaxed);
+        self.requests = None;
+        if let Some(thread) = self.thread.take() {
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
+        }
     }
 }
+
+/// How often `stop` looks whether the thread ended.
+const STOP_POLL_INTERVAL: Duration = Duration::from_millis(1);
+
+/// An injected stall of the probe thread (tests): until `release_stalls`, at most 10 s.
+fn stall(shared: &Shared) {
+    add(&shared.stats.stalls, 1);
+    let start = Instant::now();
+    while !shared.stalls_released.load(Ordering::Acquire) && start.elapsed() < STALL_MAX {
+        std::thread::sleep(STOP_POLL_INTERVAL);
+    }
+}
+
+/// The longest an injected stall lasts.
+const STALL_MAX: Duration = Duration::from_secs(10);
 
 /// A segment of another instance the prober has walked.
 struct Known {

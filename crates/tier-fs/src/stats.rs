@@ -105,9 +105,12 @@ pub struct FsStats {
     /// Shutdowns whose wait for the jobs in flight passed `shutdown_deadline` (those jobs are
     /// never reported; the memory and directory they may still use stay theirs).
     pub shutdown_timeouts: u64,
-    /// Worker threads a shutdown left running past its deadline (detached, holding the host
+    /// Worker threads (and probe threads, which hold only the index) a shutdown left running
+    /// past its deadline (detached; a worker holds the host
     /// memory and, for the writer, the directory lock until the process ends).
     pub threads_detached: u64,
+    /// Drains that returned at `drain_deadline` with jobs still in flight (reported later).
+    pub drain_timeouts: u64,
     /// Injected stalls entered (tests).
     pub stalls: u64,
     /// Failed chunks by kind, indexed like [`FailureKind::ALL`].
@@ -154,6 +157,7 @@ pub(crate) struct StatsCell {
     pub(crate) probe_hits: AtomicU64,
     pub(crate) shutdown_timeouts: AtomicU64,
     pub(crate) threads_detached: AtomicU64,
+    pub(crate) drain_timeouts: AtomicU64,
     pub(crate) stalls: AtomicU64,
     failures: [AtomicU64; 10],
 }
@@ -201,6 +205,7 @@ impl StatsCell {
             probe_hits: get(&self.probe_hits),
             shutdown_timeouts: get(&self.shutdown_timeouts),
             threads_detached: get(&self.threads_detached),
+            drain_timeouts: get(&self.drain_timeouts),
             stalls: get(&self.stalls),
             failures,
         }

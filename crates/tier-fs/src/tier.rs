@@ -15,9 +15,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{
-    Receiver, RecvError, RecvTimeoutError, Sender, TryRecvError, TrySendError,
-};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
 use offload_core::tier::{
     SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
 };
@@ -65,6 +63,11 @@ pub struct FsTier {
     shut_down: bool,
     /// How long a shutdown waits for jobs and threads (see [`FsTierConfig::shutdown_deadline`]).
     shutdown_deadline: Duration,
+    /// How long `Tier::drain` waits (see [`FsTierConfig::drain_deadline`]).
+    drain_deadline: Duration,
+    /// Whether a drain timeout was warned about (once per tier; each is counted).
+    drain_timeout_warned: bool,
+    quiet: bool,
     /// Holds the namespace directory's lock (see `prepare_dirs`) until the tier shuts down.
     dir_lock: Option<File>,
 }
@@ -276,6 +279,9 @@ impl FsTier {
             prober,
             shut_down: false,
             shutdown_deadline: config.shutdown_deadline,
+            drain_deadline: config.drain_deadline,
+            drain_timeout_warned: false,
+            quiet: config.quiet,
             dir_lock: Some(dir_lock),
         })
     }
@@ -285,8 +291,11 @@ impl FsTier {
         self.shared.stalls_released.store(true, Ordering::Release);
     }
 
-    /// Receives completions until no job is awaited or `deadline` passes; `false` then.
-    fn drain_until(&mut self, deadline: Instant) -> bool {
+    /// Waits until every accepted job has completed (completions then wait in `poll`) or
+    /// `deadline` passes; returns whether every job completed. Jobs not completed by then stay in
+    /// flight, their slots theirs, and are reported by a later `poll` (or at shutdown). Neither
+    /// counted nor warned about: `Tier::drain` is this with `drain_deadline`, and counts.
+    pub fn drain_until(&mut self, deadline: Instant) -> bool {
         while self.awaiting() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.done.recv_timeout(left) {
@@ -413,6 +422,12 @@ impl FsTier {
         self.in_flight.len() - self.ready.len()
     }
 
+    /// Jobs accepted that have not completed yet (after a `drain` that timed out: those it left
+    /// in flight; a later `poll` reports them).
+    pub fn jobs_unfinished(&self) -> usize {
+        self.awaiting()
+    }
+
     /// Tells every worker to stop and joins those that end by `deadline` (polling; a thread
     /// cannot be interrupted in a system call); the others are detached and counted. Returns
     /// whether every worker ended.
@@ -441,8 +456,9 @@ impl FsTier {
         // Dropping a handle detaches its thread, which keeps its own `Arc` of the host memory.
         drop(running);
         add(&self.shared.stats.threads_detached, detached);
+        // The probe thread only reads the directory: one left running does not keep the lock.
         if let Some(mut prober) = self.prober.take() {
-            prober.stop();
+            prober.stop(deadline, &self.shared);
         }
         detached == 0
     }
@@ -549,15 +565,25 @@ impl Tier for FsTier {
         self.shared.cancelled().insert(id);
     }
 
+    /// Waits at most `drain_deadline` (see [`FsTierConfig::drain_deadline`]): past it the jobs
+    /// still in flight stay in flight and are reported later; counted in
+    /// `FsStats::drain_timeouts` and warned about once.
     fn drain(&mut self) {
-        while self.awaiting() > 0 {
-            match self.done.recv() {
-                Ok(completion) => self.ready.push_back(completion),
-                Err(RecvError) => {
-                    self.fail_orphans();
-                    break;
-                }
-            }
+        if self.drain_until(Instant::now() + self.drain_deadline) {
+            return;
+        }
+        add(&self.shared.stats.drain_timeouts, 1);
+        if !self.drain_timeout_warned {
+            self.drain_timeout_warned = true;
+            let message = format!(
+                "fs tier {:?}: drain gave up after {:?} with {} jobs in flight (a disk that does \
+                 not answer?); they are reported when they complete (warned once, counted in \
+                 drain_timeouts)",
+                self.namespace_dir,
+                self.drain_deadline,
+                self.awaiting()
+            );
+            crate::direct::warn(&self.shared.stats, self.quiet, &message);
         }
     }
 

@@ -117,7 +117,7 @@ impl Shared {
     }
 
     /// The fault to inject at this call, if any.
-    fn fault(&self, site: FaultSite, key: ChunkKey, direct: bool) -> Option<Fault> {
+    pub(crate) fn fault(&self, site: FaultSite, key: ChunkKey, direct: bool) -> Option<Fault> {
         let faults = self.faults.as_ref()?;
         let mut state = faults.lock().unwrap_or_else(PoisonError::into_inner);
         state.check(site, key, direct)

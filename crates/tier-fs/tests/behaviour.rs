@@ -768,3 +768,96 @@ fn shutdown_returns_at_its_deadline_when_the_disk_hangs_and_keeps_memory_and_dir
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
+
+#[test]
+fn drain_returns_at_its_deadline_when_the_disk_hangs_and_the_job_is_reported_later() {
+    // Issue 18 item 5: `Tier::drain` waited forever behind a hung disk. Now it returns at
+    // `drain_deadline`, counted and warned once; the job stays in flight and is reported once,
+    // when the disk answers.
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(FsTierConfig {
+        faults: FaultPlan::new(vec![FaultRule::on_key(
+            FaultSite::Open,
+            Fault::Stall,
+            key(1),
+        )]),
+        drain_deadline: std::time::Duration::from_millis(300),
+        ..config(dir.path(), EngineChoice::Sync)
+    });
+    let job = offload_core::tier::TierJob {
+        id: offload_core::JobId(1),
+        request: None,
+        op: offload_core::tier::TierOp::Store,
+        chunks: vec![(key(1), offload_core::SlotId(0), FULL)],
+    };
+    rig.tier.submit(job).expect("accepted");
+    let start = std::time::Instant::now();
+    while rig.tier.stats().stalls == 0 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the writer never reached the stall"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    rig.tier.drain();
+    let warnings = rig.tier.stats().warnings;
+    rig.tier.drain();
+    let stats = rig.tier.stats();
+    assert_eq!(
+        stats.drain_timeouts, 2,
+        "each drain past its deadline counts"
+    );
+    assert_eq!(stats.warnings, warnings, "warned once, not per drain");
+    let mut out = Vec::new();
+    rig.tier.poll(&mut out);
+    assert!(
+        out.is_empty(),
+        "the stalled job is still in flight: {out:?}"
+    );
+    rig.tier.release_stalls();
+    let start = std::time::Instant::now();
+    while out.is_empty() {
+        assert!(start.elapsed() < DEADLINE, "the job was never reported");
+        rig.tier.poll(&mut out);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(out.len(), 1, "reported once: {out:?}");
+    assert_eq!(out[0].id, offload_core::JobId(1));
+    // A drain with nothing in flight returns at once and counts nothing.
+    rig.tier.drain();
+    assert_eq!(rig.tier.stats().drain_timeouts, 2);
+}
+
+#[test]
+fn shutdown_detaches_a_probe_thread_stuck_on_a_hung_shared_directory() {
+    // Issue 18 item 5: stopping the probe thread joined it with no deadline, so a shutdown
+    // waited as long as the directory listing hung. Now it waits `shutdown_deadline`, then
+    // detaches the thread and counts it.
+    let dir = tempfile::tempdir().unwrap();
+    let mut rig = Rig::start(FsTierConfig {
+        shared_dir: true,
+        faults: FaultPlan::new(vec![FaultRule::on_key(
+            FaultSite::Probe,
+            Fault::Stall,
+            key(1),
+        )]),
+        shutdown_deadline: std::time::Duration::from_millis(300),
+        ..config(dir.path(), EngineChoice::Sync)
+    });
+    assert_eq!(rig.tier.lookup(key(1)), TierLookup::Retry);
+    let start = std::time::Instant::now();
+    while rig.tier.stats().stalls == 0 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the probe never reached the stall"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    rig.tier.shutdown();
+    let stats = rig.tier.stats();
+    assert_eq!((stats.shutdown_timeouts, stats.threads_detached), (0, 1));
+    // The workers ended and the probe thread only reads: the directory is free again.
+    let other: Arc<dyn SlotMemory> = Arc::new(tier_testkit::VecSlotMemory::new(4, SLOT_BYTES));
+    assert!(FsTier::start(config(dir.path(), EngineChoice::Sync), other).is_ok());
+    rig.tier.release_stalls();
+}

@@ -254,6 +254,23 @@ impl Batch {
             done = self.cv.wait(done).unwrap_or_else(|e| e.into_inner());
         }
     }
+
+    /// Waits until the batch is done or `deadline` passes; returns whether it is done.
+    fn wait_until(&self, deadline: std::time::Instant) -> bool {
+        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        while !*done && !self.is_done() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            done = self
+                .cv
+                .wait_timeout(done, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        true
+    }
 }
 
 /// One piece of work for a copy thread: raw `(src, dst, len)` copies.
@@ -578,11 +595,41 @@ impl TransferEngine for HostTransferEngine {
             }
         }
     }
+    fn drain_until(&mut self, deadline: std::time::Instant) -> bool {
+        self.queues
+            .iter()
+            .flatten()
+            .all(|f| f.batch.wait_until(deadline))
+    }
 }
 
 impl Drop for HostTransferEngine {
     fn drop(&mut self) {
         // Memory the copy threads may still write belongs to the in-flight jobs: wait for them.
         self.drain();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_batch_wait_with_a_deadline_returns_at_it_while_a_piece_is_stuck() {
+        // Issue 18 item 5: the host engine's drain waited for its copy threads with no bound.
+        let batch = Arc::new(Batch {
+            remaining: AtomicUsize::new(2),
+            ..Batch::default()
+        });
+        batch.finish_piece();
+        assert!(
+            !batch.wait_until(Instant::now() + Duration::from_millis(5)),
+            "one piece is still running: not done"
+        );
+        let other = Arc::clone(&batch);
+        let finisher = std::thread::spawn(move || other.finish_piece());
+        assert!(batch.wait_until(Instant::now() + Duration::from_secs(60)));
+        finisher.join().expect("the finisher ended");
     }
 }

@@ -88,4 +88,13 @@ pub trait TransferEngine: Send {
     fn wait(&mut self, job: JobId);
     /// Blocks until every accepted job completed (completions then wait in `poll`).
     fn drain(&mut self);
+    /// Like [`TransferEngine::drain`], but returns at `deadline` (a copy thread or stream that
+    /// stopped making progress); returns whether every job completed. Jobs not completed stay
+    /// in flight, the memory they name theirs, and a later `poll` reports them. The default
+    /// waits without a bound and answers `true`; the host and CUDA engines bound it.
+    fn drain_until(&mut self, deadline: std::time::Instant) -> bool {
+        let _ = deadline;
+        self.drain();
+        true
+    }
 }

@@ -303,7 +303,9 @@ impl Client {
                     None => true,
                 },
                 ClientCommand::Push(keys) => {
-                    if !self.control.shutting_down() {
+                    if self.control.shutting_down() {
+                        self.skip_push(keys.len());
+                    } else {
                         self.push(&keys);
                     }
                     self.control.end_push();
@@ -387,6 +389,19 @@ impl Client {
             }
         }
         LookupAnswer { keys, holders }
+    }
+
+    /// Skips a queued push batch at shutdown (best effort; each could take `fetch_deadline`):
+    /// counted in `pushes_skipped_at_shutdown`, logged once.
+    fn skip_push(&mut self, chunk_count: usize) {
+        let before = self
+            .shared
+            .counters
+            .pushes_skipped_at_shutdown
+            .fetch_add(chunk_count as u64, std::sync::atomic::Ordering::Relaxed);
+        if before == 0 {
+            log("shutting down: skipping queued pushes (counted in pushes_skipped_at_shutdown)");
+        }
     }
 
     /// Pushes the chunks of `keys` published here to their keys' owners (PUT, each answered by

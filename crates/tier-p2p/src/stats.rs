@@ -43,6 +43,9 @@ pub struct P2pStats {
     pub chunks_pushed: u64,
     /// Pushes that failed or were refused, or not sent because the queue was full.
     pub push_failures: u64,
+    /// Chunks of push batches still queued at shutdown, skipped (pushes are best effort), so
+    /// that a shutdown waits for at most the push under way, not every queued one.
+    pub pushes_skipped_at_shutdown: u64,
     /// Chunks peers pushed here (PUT) and this instance stored.
     pub chunks_received: u64,
     /// Chunks this instance's server sent.
@@ -83,6 +86,7 @@ pub(crate) struct Counters {
     pub(crate) nixl_reads_unquarantined: AtomicU64,
     pub(crate) chunks_pushed: AtomicU64,
     pub(crate) push_failures: AtomicU64,
+    pub(crate) pushes_skipped_at_shutdown: AtomicU64,
     pub(crate) chunks_received: AtomicU64,
     pub(crate) chunks_served: AtomicU64,
     pub(crate) bytes_served: AtomicU64,
@@ -129,6 +133,7 @@ impl Counters {
             nixl_reads_unquarantined: get(&self.nixl_reads_unquarantined),
             chunks_pushed: get(&self.chunks_pushed),
             push_failures: get(&self.push_failures),
+            pushes_skipped_at_shutdown: get(&self.pushes_skipped_at_shutdown),
             chunks_received: get(&self.chunks_received),
             chunks_served: get(&self.chunks_served),
             bytes_served: get(&self.bytes_served),

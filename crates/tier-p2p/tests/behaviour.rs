@@ -435,3 +435,37 @@ fn shutdown_does_not_wait_for_a_stalled_peer() {
     assert_eq!(out[0].failed, vec![chunks[0].0]);
     peer.join().expect("fake peer");
 }
+
+#[test]
+fn shutdown_skips_queued_pushes_instead_of_waiting_for_each() {
+    // Issue 18 item 5: at shutdown the client thread may hold up to 64 queued push batches, each
+    // allowed `fetch_deadline` against a peer that does not answer. Queued batches are skipped
+    // (pushes are best effort) and counted; only the push under way is waited for.
+    let silent: Vec<TcpListener> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    let peers = silent.iter().map(|l| l.local_addr().unwrap()).collect();
+    let mut config = common::config(peers);
+    config.owners = 1;
+    let memory: Arc<dyn SlotMemory> = Arc::new(tier_testkit::VecSlotMemory::new(8, 4096));
+    let mut tier = P2pTier::new(config, Arc::clone(&memory)).expect("tier starts");
+    for i in 0..4u64 {
+        tier_testkit::fill_slot(&*memory, SlotId(i as u32), 4096, common::seed(i));
+        let id = JobId(900 + i);
+        tier.submit(offload_core::tier::TierJob {
+            id,
+            request: None,
+            op: offload_core::tier::TierOp::Store,
+            chunks: vec![(common::key(i), SlotId(i as u32), 4096)],
+        })
+        .expect("publish accepted");
+        assert!(common::wait(&mut tier, id, Duration::from_secs(20)).is_success());
+    }
+    // The first push waits on a silent peer (up to fetch_deadline, 5 s); three batches queue.
+    tier.shutdown();
+    let stats = tier.stats();
+    assert_eq!(
+        stats.pushes_skipped_at_shutdown, 3,
+        "the queued batches (one chunk each) are skipped: {stats:?}"
+    );
+}

@@ -6,6 +6,7 @@ counters. `kvtier.vllm.tiers` wraps it in vLLM's `SecondaryTierManager` interfac
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from ._kvtier import Tier
 
 __all__ = ["PrimaryBuffer", "Finished", "TierCore", "PENDING_JOBS_MAX"]
+
+logger = logging.getLogger(__name__)
 
 # Jobs refused as busy by the native tier wait here and are submitted again at the next poll;
 # beyond this many, a new job fails at once (the engine recomputes or keeps the chunk in host
@@ -99,6 +102,7 @@ class TierCore:
         self._next_request = 1
         # Counters since the last `take_counters`.
         self.counters: dict[str, float] = {}
+        self._drain_timeout_logged = False
 
     # -- requests -----------------------------------------------------------------------
     def request_number(self, req_id: str) -> int:
@@ -188,13 +192,32 @@ class TierCore:
     def in_flight(self) -> int:
         return len(self._jobs)
 
-    def drain(self) -> None:
-        """Blocks until every job taken has finished (results wait for `poll`)."""
+    def drain(self) -> bool:
+        """Waits until every job taken has finished (results wait for `poll`); each wait on the
+        native tier is bounded by its drain deadline. Returns False when the tier gave up with
+        jobs still in flight (a disk that stops answering): they stay taken and a later `poll`
+        reports them (jobs still waiting here are submitted then). Counted in `drain_timeouts`,
+        logged once."""
         while self._pending:
-            self.tier.drain()
+            if not self.tier.drain():
+                return self._drain_timed_out()
             while self._pending and self._try_submit(self._pending[0], self._jobs[self._pending[0]]):
                 self._pending.popleft()
-        self.tier.drain()
+        if not self.tier.drain():
+            return self._drain_timed_out()
+        return True
+
+    def _drain_timed_out(self) -> bool:
+        self._count("drain_timeouts", 1)
+        if not self._drain_timeout_logged:
+            self._drain_timeout_logged = True
+            logger.warning(
+                "kvtier: drain gave up at the tier's deadline with %d jobs in flight and %d "
+                "waiting; they finish later (logged once, counted in drain_timeouts)",
+                len(self._jobs) - len(self._pending),
+                len(self._pending),
+            )
+        return False
 
     def shutdown(self) -> None:
         # Jobs still waiting were never handed to the tier: they fail.

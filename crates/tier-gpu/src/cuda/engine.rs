@@ -343,6 +343,17 @@ impl TransferEngine for CudaTransferEngine {
             mark_failed(&mut self.failed, failure);
         }
     }
+    fn drain_until(&mut self, deadline: std::time::Instant) -> bool {
+        let entered = self.ctx.enter();
+        let failed = &mut self.failed;
+        let drained = self
+            .queues
+            .drain_until(deadline, |e, how| observe(e, how, failed));
+        if let Err(failure) = entered {
+            mark_failed(&mut self.failed, failure);
+        }
+        drained
+    }
 }
 
 impl Drop for CudaTransferEngine {

@@ -167,6 +167,39 @@ impl<E: Copy> Queues<E> {
         }
     }
 
+    /// Like [`Queues::drain`], but only queries events (never blocks in the driver) and gives up
+    /// at `deadline`: returns whether every pending job completed. Jobs not completed stay in
+    /// their lanes (their memory theirs); completions found are reported by the next `poll`.
+    pub(crate) fn drain_until(
+        &mut self,
+        deadline: std::time::Instant,
+        mut look: impl FnMut(E, Look) -> EventState,
+    ) -> bool {
+        loop {
+            for lane in 0..self.lanes.len() {
+                while let Some(front) = self.lanes[lane].front() {
+                    let state = if front.recorded {
+                        look(front.event, Look::Query)
+                    } else {
+                        EventState::Complete
+                    };
+                    if state == EventState::NotReady {
+                        break;
+                    }
+                    let done = self.finish(lane, &state);
+                    self.ready.push_back(done);
+                }
+            }
+            if self.lanes.iter().all(VecDeque::is_empty) {
+                return true;
+            }
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(DRAIN_QUERY_INTERVAL);
+        }
+    }
+
     /// Every event handle, free or in a lane (to destroy them).
     pub(crate) fn events(&self) -> impl Iterator<Item = E> + '_ {
         let pending = self.lanes.iter().flatten().map(|e| e.event);
@@ -214,6 +247,9 @@ impl<E: Copy> Queues<E> {
         }
     }
 }
+
+/// How often a bounded drain queries a pending event.
+const DRAIN_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_micros(50);
 
 #[cfg(test)]
 mod tests {
@@ -378,5 +414,28 @@ mod tests {
         out.clear();
         q.poll(|e, how| dev.look(e, how), &mut out);
         assert_eq!(out, vec![done(4, Store, true)]);
+    }
+
+    #[test]
+    fn a_bounded_drain_queries_only_and_leaves_a_stuck_job_pending_at_its_deadline() {
+        // Issue 18 item 5: the worker's drain of the CUDA engine blocked in cuEventSynchronize
+        // with no bound. The bounded drain only queries, and gives up at its deadline.
+        let mut q = queues(8);
+        let mut dev = FakeDevice::default();
+        let s1 = submit(&mut q, 1, Store);
+        let l2 = submit(&mut q, 2, Load);
+        dev.complete.insert(l2);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(5);
+        assert!(!q.drain_until(deadline, |e, how| dev.look(e, how)));
+        assert!(q.is_pending(JobId(1)), "the stuck store stays in flight");
+        assert!(!q.is_pending(JobId(2)), "the completed load was found");
+        assert!(dev.looks.iter().all(|(_, how)| *how == Look::Query));
+        dev.complete.insert(s1);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        assert!(q.drain_until(deadline, |e, how| dev.look(e, how)));
+        let mut out = Vec::new();
+        q.poll(|e, how| dev.look(e, how), &mut out);
+        out.sort_by_key(|d| d.job);
+        assert_eq!(out, vec![done(1, Store, true), done(2, Load, true)]);
     }
 }
