@@ -461,11 +461,12 @@ fn shutdown_skips_queued_pushes_instead_of_waiting_for_each() {
         .expect("publish accepted");
         assert!(common::wait(&mut tier, id, Duration::from_secs(20)).is_success());
     }
-    // The first push waits on a silent peer (up to fetch_deadline, 5 s); three batches queue.
+    // The first push may be under way on a silent peer (up to fetch_deadline, 5 s) or, on a
+    // busy machine, not yet started; the batches queued behind it are skipped either way.
     tier.shutdown();
     let stats = tier.stats();
-    assert_eq!(
-        stats.pushes_skipped_at_shutdown, 3,
+    assert!(
+        (3..=4).contains(&stats.pushes_skipped_at_shutdown),
         "the queued batches (one chunk each) are skipped: {stats:?}"
     );
 }
