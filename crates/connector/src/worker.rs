@@ -107,6 +107,11 @@ impl<E: TransferEngine> WorkerHandle<E> {
     /// in `meta.flush`, and starts `meta.loads`, each after `reads_done`: the point in the
     /// engine's compute after which no kernel reads the blocks the loads overwrite (`None` when
     /// the compute is synchronous or idle).
+    ///
+    /// The reset drain and the flush waits here have no deadline, on purpose: they wait for the
+    /// engine's own copies to finish before the compute reuses or overwrites the blocks those
+    /// copies read or write, and giving up would let a store capture overwritten KV or a load
+    /// write into reused blocks. (Every other wait of the worker is bounded: [`Self::drain`].)
     pub fn before_compute(&mut self, meta: &ConnectorMeta, reads_done: Option<E::Dependency>) {
         if let Some(floor) = meta.reset_before {
             self.cancel_queued_before(floor);
