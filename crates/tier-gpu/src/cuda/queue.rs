@@ -131,6 +131,17 @@ impl<E: Copy> Queues<E> {
         out: &mut Vec<TransferDone>,
     ) {
         out.extend(self.ready.drain(..));
+        self.query_fronts(&mut look, |done| out.push(done));
+    }
+
+    /// Finishes, lane by lane from the front, every job whose event says complete (looking with
+    /// [`Look::Query`]), handing each completion to `done`; stops a lane at its first pending
+    /// event.
+    fn query_fronts(
+        &mut self,
+        look: &mut impl FnMut(E, Look) -> EventState,
+        mut done: impl FnMut(TransferDone),
+    ) {
         for lane in 0..self.lanes.len() {
             while let Some(front) = self.lanes[lane].front() {
                 let state = if front.recorded {
@@ -141,8 +152,7 @@ impl<E: Copy> Queues<E> {
                 if state == EventState::NotReady {
                     break;
                 }
-                let done = self.finish(lane, &state);
-                out.push(done);
+                done(self.finish(lane, &state));
             }
         }
     }
@@ -175,21 +185,10 @@ impl<E: Copy> Queues<E> {
         deadline: std::time::Instant,
         mut look: impl FnMut(E, Look) -> EventState,
     ) -> bool {
+        let mut found = Vec::new();
         loop {
-            for lane in 0..self.lanes.len() {
-                while let Some(front) = self.lanes[lane].front() {
-                    let state = if front.recorded {
-                        look(front.event, Look::Query)
-                    } else {
-                        EventState::Complete
-                    };
-                    if state == EventState::NotReady {
-                        break;
-                    }
-                    let done = self.finish(lane, &state);
-                    self.ready.push_back(done);
-                }
-            }
+            self.query_fronts(&mut look, |done| found.push(done));
+            self.ready.extend(found.drain(..));
             if self.lanes.iter().all(VecDeque::is_empty) {
                 return true;
             }
