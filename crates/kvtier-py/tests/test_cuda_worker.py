@@ -177,6 +177,60 @@ def test_cuda_worker_without_a_driver_is_an_error_naming_it():
         ConnectorWorker.cuda(pool, regions[:2], 1, [], 0)
 
 
+def test_worker_side_makes_the_cuda_worker_and_passes_torchs_current_stream(monkeypatch):
+    """The connector's worker side with CUDA KV caches (stand-ins on cuda:1): it makes the
+    native worker with `ConnectorWorker.cuda` on device 1, and hands it the raw handle of torch's
+    current stream on that device before and after the compute (a recording stand-in for the
+    native worker and for torch's stream, so this runs without a GPU)."""
+    need_vllm()
+    import torch
+
+    import kvtier.vllm.connector as c
+    from connector_driver import kv_cache_config
+
+    calls, made = [], {}
+
+    class Native:
+        is_cuda = True
+
+        def bind(self, payload):
+            calls.append(("bind", payload))
+
+        def before_compute(self, stale, stream):
+            calls.append(("before", stale, stream))
+
+        def after_compute(self, stale, stream):
+            calls.append(("after", stale, stream))
+
+        def drain(self):
+            return True
+
+    class Worker:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the host worker was made for CUDA KV caches")
+
+        @staticmethod
+        def cuda(pool, regions, blocks_per_chunk, owners, device, rank=0, share_offset=None):
+            made.update(device=device, regions=regions, owners=len(owners), rank=rank)
+            return Native()
+
+    monkeypatch.setattr(c, "ConnectorWorker", Worker)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: type("S", (), {"cuda_stream": 0xA000 + device})())
+    kcc = kv_cache_config(NB)
+    names = list(kcc.kv_cache_groups[0].layer_names)
+    kv = _layers(FakeDevice("cuda", 1), n=len(names))
+    kv = {n: t for n, t in zip(names, kv.values())}
+    side = c._WorkerSide(HostPool(2 * 2 * HALF * len(names), 4), {"blocks_per_chunk": 1}, kcc)
+    side.register(kv)
+    assert made["device"] == 1 and made["owners"] == len(names), made
+    assert made["regions"] == kv_cache_regions(kv, names, NB)[0]
+    side.bind(c.KvtierConnectorMetadata(payload=b"meta"))
+    side.before_compute()
+    side.after_compute()
+    assert calls == [("bind", b"meta"), ("before", False, 0xA001), ("after", False, 0xA001)], calls
+
+
 # -- the native round trip, on the CPU here and on a GPU there ----------------------------------
 
 
