@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python package's checks, run by `cargo xtask ci` (step "python"): rustfmt and clippy of the
-# extension crate, then a venv with vLLM, the package built and installed with pip (maturin), and
-# its pytest suite against vLLM's real classes.
+# extension crate and kvtier-worker, kvtier-worker's tests, then a venv with vLLM, the package
+# built and installed with pip (maturin), and its pytest suite against vLLM's real classes.
 #
 # The venv lives in target/kvtier-py-venv and is reused; the first run installs vLLM (about 10 GB,
 # 5-6 minutes here). KVTIER_PYTHON=/path/to/python uses an existing environment instead.
@@ -12,9 +12,11 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 VLLM_VERSION=0.33.0
 
-echo "==> kvtier-py: rustfmt and clippy"
-cargo fmt --manifest-path "$here/Cargo.toml" -- --check
-cargo clippy --manifest-path "$here/Cargo.toml" --locked -- -D warnings
+echo "==> kvtier-py: rustfmt and clippy (the extension and kvtier-worker)"
+cargo fmt --manifest-path "$here/Cargo.toml" --all -- --check
+cargo clippy --manifest-path "$here/Cargo.toml" --workspace --all-targets --locked -- -D warnings
+echo "==> kvtier-worker: its tests (the CUDA one says \"CUDA worker tests NOT RUN\" without a GPU)"
+cargo test --manifest-path "$here/worker/Cargo.toml" --locked
 
 if [[ -n "${KVTIER_PYTHON:-}" ]]; then
     py=$KVTIER_PYTHON

@@ -1,32 +1,34 @@
 //! The native half of `kvtier.vllm.connector`: the connector crate's scheduler side
 //! ([`SchedulerHandle`] over the tiering manager and its secondary tiers) and worker side
-//! ([`WorkerHandle`] over tier-gpu's host-memory transfer engine), with a host pool both share.
+//! (`kvtier_worker::Worker`, the connector crate's `WorkerHandle` over tier-gpu's host-memory
+//! transfer engine, or its CUDA engine for KV caches on a GPU), with a host pool both share.
 //!
 //! Everything crosses as plain values: request ids as `u64` (the Python half maps vLLM's `str`
 //! ids), block hashes as `u64` (the xxh3-64 of vLLM's hash bytes, as the tiers' keys), block ids
-//! as `u32`, and the per-step metadata and the workers' outputs as JSON bytes (offload-core's
-//! `ConnectorMeta` and `WorkerOutput`, which serialize because workers may live elsewhere).
+//! as `u32`, compute streams as raw handles, and the per-step metadata and the workers' outputs
+//! as JSON bytes (offload-core's `ConnectorMeta` and `WorkerOutput`, which serialize because
+//! workers may live elsewhere).
 //!
-//! Layout: the host pool is an anonymous mapping of this process, so the scheduler side (whose
-//! tiers read and write it) and the worker side (whose copies fill it) must live in one process
-//! (vLLM's UniProcExecutor). The Python half refuses any other layout.
+//! Layout: the host pool is an anonymous mapping of this process (the scheduler side, whose
+//! tiers read and write it, and the worker side, whose copies fill it, in one process: vLLM's
+//! UniProcExecutor), or a file in `/dev/shm` that the scheduler process and every worker process
+//! map (`HostPool.open_shared`). The Python half refuses any other layout.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
 
 use connector::config::{ConnectorConfig, EngineGeometry, ResolvedConfig};
-use connector::{SchedulerHandle, WorkerHandle};
+use connector::SchedulerHandle;
+use kvtier_worker::{KvCache, PinnedPool, Worker, WorkerError};
 use offload_core::scheduler::FinishedRequest;
 use offload_core::{
-    BlockId, ConnectorMeta, FinishKind, Job, JobAck, JobKind, KvEvent, MatchResult, NewRequest,
-    RequestId, SlotMemory, StepInput, StepRequest, WorkerOutput,
+    BlockId, ConnectorMeta, FinishKind, KvEvent, MatchResult, NewRequest, RequestId, SlotMemory,
+    StepInput, StepRequest, WorkerOutput,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use tier_gpu::{HostCopier, HostPoolMemory, HostTransferEngine, KvLayout, Region};
+use tier_gpu::{HostPoolMemory, Region};
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic inside a call poisons the lock; the state behind it is all-or-nothing per call.
@@ -39,6 +41,8 @@ fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[pyclass(module = "kvtier._kvtier", name = "HostPool", frozen)]
 pub struct PyHostPool {
     memory: Arc<HostPoolMemory>,
+    /// Its registration with the CUDA driver, while a CUDA worker uses it.
+    pinned: PinnedPool,
 }
 
 #[pymethods]
@@ -60,6 +64,7 @@ impl PyHostPool {
             })?;
         Ok(Self {
             memory: Arc::new(memory),
+            pinned: PinnedPool::default(),
         })
     }
 
@@ -78,6 +83,7 @@ impl PyHostPool {
             .map_err(|e| PyRuntimeError::new_err(format!("cannot open a shared host pool: {e}")))?;
         Ok(Self {
             memory: Arc::new(memory),
+            pinned: PinnedPool::default(),
         })
     }
 
@@ -410,59 +416,55 @@ impl PyConnectorScheduler {
     }
 }
 
-/// What the worker remembers of a job it was given, until it reports it.
-struct JobInfo {
-    request: u64,
-    kind: JobKind,
-    blocks: Vec<u32>,
-    bytes: u64,
-    started: Instant,
-    /// The job is older than a reset: a load is reported failed (recompute), whatever its copy.
-    cancelled: bool,
-}
-
 /// One completed job as the Python half sees it.
 type DoneTuple = (u64, u64, bool, bool, u64, f64, Vec<u32>);
 
-struct WorkerState {
-    handle: WorkerHandle<HostTransferEngine>,
-    meta: Option<ConnectorMeta>,
-    before_done: bool,
-    jobs: HashMap<u64, JobInfo>,
-    /// Jobs completed here as failed without a copy (stale metadata, or never started):
-    /// reported with the next output, each once.
-    failed_here: Vec<JobAck>,
-}
-
-impl WorkerState {
-    /// Fails `jobs` without copying anything.
-    fn fail(&mut self, jobs: &[Job]) {
-        self.failed_here.extend(jobs.iter().map(|j| JobAck {
-            job: j.id,
-            success: false,
-        }));
+/// The Python error for a worker that could not be made: a bad layout is a `ValueError`, a
+/// missing driver or a failed CUDA call a `RuntimeError`.
+fn worker_error(e: WorkerError) -> PyErr {
+    match e {
+        WorkerError::NullRegion | WorkerError::Layout { .. } | WorkerError::SlotBytes { .. } => {
+            PyValueError::new_err(e.to_string())
+        }
+        _ => PyRuntimeError::new_err(format!("kvtier connector: {e}")),
     }
 }
 
-/// kvtier's worker side: executes each step's metadata with memcpy threads between the engine's
-/// KV cache (host memory: registered regions) and the host pool, and reports every job once.
+/// The regions as tier-gpu's, from `(base address, num_blocks, block_bytes, block_stride,
+/// group)` each.
+fn to_regions(regions: Vec<(u64, u32, u64, u64, u32)>) -> Vec<Region> {
+    regions
+        .into_iter()
+        .map(
+            |(base, num_blocks, block_bytes, block_stride, group)| Region {
+                base,
+                num_blocks,
+                block_bytes,
+                block_stride,
+                group,
+            },
+        )
+        .collect()
+}
+
+/// kvtier's worker side: executes each step's metadata between the engine's KV cache and the
+/// host pool (with memcpy threads for KV caches in host memory, with tier-gpu's CUDA engine for
+/// KV caches on a GPU), and reports every job once. The logic is `kvtier_worker::Worker`.
 #[pyclass(module = "kvtier._kvtier", name = "ConnectorWorker", frozen)]
 pub struct PyConnectorWorker {
-    state: Mutex<WorkerState>,
-    /// Bytes of one engine block, all regions of the group together.
-    block_bytes: u64,
+    state: Mutex<Worker>,
     /// The objects owning the regions' memory (vLLM's KV cache tensors); dropped after `state`,
-    /// so no copy thread can touch freed memory.
+    /// so no copy thread or stream can touch freed memory.
     _owners: Vec<Py<PyAny>>,
 }
 
 #[pymethods]
 impl PyConnectorWorker {
-    /// A worker over `pool` and the engine's KV cache `regions`: `(base address, num_blocks,
-    /// block_bytes, block_stride, group)` each, in the order a slot holds them. `owners` are the
-    /// objects whose memory the regions are (kept alive while the worker lives). With
-    /// `share_offset`, this worker (tensor-parallel rank `rank`) fills only its share of each
-    /// slot, from that offset on; without, its regions fill whole slots.
+    /// A worker over `pool` and the engine's KV cache `regions` in host memory: `(base address,
+    /// num_blocks, block_bytes, block_stride, group)` each, in the order a slot holds them.
+    /// `owners` are the objects whose memory the regions are (kept alive while the worker
+    /// lives). With `share_offset`, this worker (tensor-parallel rank `rank`) fills only its
+    /// share of each slot, from that offset on; without, its regions fill whole slots.
     #[new]
     #[pyo3(signature = (pool, regions, blocks_per_chunk, owners, rank=0, share_offset=None, copy_threads=2, jobs_in_flight_max=64))]
     #[allow(clippy::too_many_arguments)]
@@ -476,111 +478,88 @@ impl PyConnectorWorker {
         copy_threads: usize,
         jobs_in_flight_max: usize,
     ) -> PyResult<Self> {
-        if regions.iter().any(|r| r.0 == 0) {
-            return Err(PyValueError::new_err("a KV cache region's address is 0"));
-        }
-        let regions: Vec<Region> = regions
-            .into_iter()
-            .map(
-                |(base, num_blocks, block_bytes, block_stride, group)| Region {
-                    base,
-                    num_blocks,
-                    block_bytes,
-                    block_stride,
-                    group,
-                },
-            )
-            .collect();
-        let block_bytes = regions.iter().map(|r| r.block_bytes).sum();
-        let slot_count = pool.memory.slot_count();
-        let layout = match share_offset {
-            None => KvLayout::new(regions, blocks_per_chunk, slot_count),
-            Some(offset) => KvLayout::share(
-                regions,
-                blocks_per_chunk,
-                slot_count,
-                offset,
-                pool.memory.slot_bytes() as u64,
-            ),
-        }
-        .map_err(|e| PyValueError::new_err(format!("KV cache layout of rank {rank}: {e}")))?;
-        if layout.slot_bytes() != pool.memory.slot_bytes() as u64 {
-            return Err(PyValueError::new_err(format!(
-                "the registered KV caches hold {} bytes per chunk, the host pool's slots {}",
-                layout.slot_bytes(),
-                pool.memory.slot_bytes()
-            )));
-        }
-        let copier = HostCopier::new(copy_threads)
-            .map_err(|e| PyRuntimeError::new_err(format!("copy threads did not start: {e}")))?;
+        let kv = KvCache::new(
+            to_regions(regions),
+            blocks_per_chunk,
+            &pool.memory,
+            rank,
+            share_offset,
+        )
+        .map_err(worker_error)?;
         // SAFETY: every region lies in memory owned by one of `owners` (the caller's promise:
         // vLLM's KV cache tensors, whose storage never moves), which this worker keeps alive
         // until after the engine is dropped (its drop waits for every copy). Engine blocks and
         // slots a job names are not written by anyone else until its completion: the scheduler
         // side's fences and the host pool's reference counts make sure of it.
-        let engine = unsafe {
-            HostTransferEngine::new(
-                layout,
+        let worker = unsafe {
+            Worker::host(
+                kv,
                 pool.memory.clone(),
-                Arc::new(copier),
+                rank,
+                copy_threads,
                 jobs_in_flight_max,
             )
         }
-        .map_err(PyValueError::new_err)?;
+        .map_err(worker_error)?;
         Ok(Self {
-            state: Mutex::new(WorkerState {
-                handle: WorkerHandle::new(rank, engine),
-                meta: None,
-                before_done: false,
-                jobs: HashMap::new(),
-                failed_here: Vec::new(),
-            }),
-            block_bytes,
+            state: Mutex::new(worker),
             _owners: owners,
         })
+    }
+
+    /// A worker over KV caches in the memory of CUDA device `device` (`regions` are device
+    /// addresses, as `data_ptr()` gives them; the rest as for the constructor), copying with
+    /// tier-gpu's CUDA engine to and from `pool`, which is page-locked once per process. Raises
+    /// `RuntimeError` naming the CUDA driver when none is usable in this process.
+    #[staticmethod]
+    #[pyo3(signature = (pool, regions, blocks_per_chunk, owners, device, rank=0, share_offset=None, jobs_in_flight_max=64))]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda(
+        py: Python<'_>,
+        pool: &PyHostPool,
+        regions: Vec<(u64, u32, u64, u64, u32)>,
+        blocks_per_chunk: u32,
+        owners: Vec<Py<PyAny>>,
+        device: u32,
+        rank: u32,
+        share_offset: Option<u64>,
+        jobs_in_flight_max: usize,
+    ) -> PyResult<Self> {
+        let kv = KvCache::new(
+            to_regions(regions),
+            blocks_per_chunk,
+            &pool.memory,
+            rank,
+            share_offset,
+        )
+        .map_err(worker_error)?;
+        // Registration page-locks the whole pool: seconds for a large one, without the GIL.
+        let pinned = py
+            .detach(|| pool.pinned.get_or_register(&pool.memory, device))
+            .map_err(worker_error)?;
+        // SAFETY: every region lies in device memory of `device` owned by one of `owners` (the
+        // caller's promise: vLLM's KV cache tensors on that device, whose storage never moves),
+        // which this worker keeps alive until after the engine is dropped (its drop
+        // synchronises its streams). Ownership of blocks and slots as in `new`.
+        let worker = unsafe { Worker::cuda(kv, pinned, device, rank, jobs_in_flight_max) }
+            .map_err(worker_error)?;
+        Ok(Self {
+            state: Mutex::new(worker),
+            _owners: owners,
+        })
+    }
+
+    /// Whether this worker copies with the CUDA engine.
+    #[getter]
+    fn is_cuda(&self) -> bool {
+        locked(&self.state).is_cuda()
     }
 
     /// Takes this step's metadata (JSON bytes from `ConnectorScheduler.build_connector_meta`).
     fn bind(&self, meta: &[u8]) -> PyResult<()> {
         let meta: ConnectorMeta = serde_json::from_slice(meta)
             .map_err(|e| PyValueError::new_err(format!("connector metadata is not valid: {e}")))?;
-        let mut st = locked(&self.state);
-        if let Some(old) = st.meta.take() {
-            // The previous step's metadata was never finished: what it did not start fails.
-            if !st.before_done {
-                st.fail(&old.loads);
-            }
-            st.fail(&old.stores);
-        }
-        if let Some(floor) = meta.reset_before {
-            for (id, job) in st.jobs.iter_mut() {
-                if *id < floor.0 {
-                    job.cancelled = true;
-                }
-            }
-        }
-        let now = Instant::now();
-        for job in meta.loads.iter().chain(&meta.stores) {
-            let blocks: Vec<u32> = job
-                .transfers
-                .iter()
-                .flat_map(|t| t.gpu_blocks.iter().map(|b| b.0))
-                .collect();
-            let bytes = blocks.len() as u64 * self.block_bytes;
-            st.jobs.insert(
-                job.id.0,
-                JobInfo {
-                    request: job.request.0,
-                    kind: job.kind,
-                    blocks,
-                    bytes,
-                    started: now,
-                    cancelled: false,
-                },
-            );
-        }
-        st.meta = Some(meta);
-        st.before_done = false;
+        locked(&self.state).bind(meta);
         Ok(())
     }
 
@@ -588,113 +567,64 @@ impl PyConnectorWorker {
     /// flush, starts the loads. Once per bound metadata; blocks without the GIL. `stale`: the
     /// metadata was built before a reset that has happened since: its loads and stores fail
     /// without a copy (their slots may belong to other chunks now); the rest still runs.
-    #[pyo3(signature = (stale=false))]
-    fn before_compute(&self, py: Python<'_>, stale: bool) {
-        py.detach(|| {
-            let mut st = locked(&self.state);
-            let st = &mut *st;
-            if st.before_done {
-                return;
-            }
-            let Some(meta) = st.meta.take() else {
-                return;
-            };
-            if stale {
-                let rest = ConnectorMeta {
-                    loads: Vec::new(),
-                    stores: Vec::new(),
-                    ..meta.clone()
-                };
-                st.handle.before_compute(&rest, None);
-                st.fail(&meta.loads);
-                st.fail(&meta.stores);
-                st.meta = Some(ConnectorMeta {
-                    stores: Vec::new(),
-                    ..meta
-                });
-            } else {
-                st.handle.before_compute(&meta, None);
-                st.meta = Some(meta);
-            }
-            st.before_done = true;
-        });
+    /// `stream`: on CUDA, the raw handle of the compute stream (`torch.cuda.current_stream()
+    /// .cuda_stream`; `None` or 0: the legacy default stream); the loads start after the work
+    /// enqueued on it so far. Ignored on the host.
+    #[pyo3(signature = (stale=false, stream=None))]
+    fn before_compute(&self, py: Python<'_>, stale: bool, stream: Option<usize>) {
+        py.detach(|| locked(&self.state).before_compute(stale, stream));
     }
 
-    /// After the step's compute: starts the stores (runs `before_compute` first if it was not).
-    /// `stale` as for `before_compute`: the stores fail without a copy.
-    #[pyo3(signature = (stale=false))]
-    fn after_compute(&self, py: Python<'_>, stale: bool) {
-        self.before_compute(py, stale);
-        let mut st = locked(&self.state);
-        let st = &mut *st;
-        if let Some(meta) = st.meta.take() {
-            if stale {
-                st.fail(&meta.stores);
-            } else {
-                st.handle.after_compute(&meta, None);
-            }
-        }
+    /// After the step's compute was enqueued: starts the stores (runs `before_compute` first if
+    /// it was not). `stale` as for `before_compute`: the stores fail without a copy. `stream`
+    /// as there: the stores start after the work enqueued on it so far (the forward that wrote
+    /// their blocks).
+    #[pyo3(signature = (stale=false, stream=None))]
+    fn after_compute(&self, py: Python<'_>, stale: bool, stream: Option<usize>) {
+        py.detach(|| locked(&self.state).after_compute(stale, stream));
     }
 
     /// Drops the bound metadata. Jobs of it that were not started (no `before_compute` for its
     /// loads, no `after_compute` for its stores) fail without a copy, so each still completes
     /// once.
     fn clear(&self) {
-        let mut st = locked(&self.state);
-        if let Some(meta) = st.meta.take() {
-            if !st.before_done {
-                st.fail(&meta.loads);
-            }
-            st.fail(&meta.stores);
-        }
+        locked(&self.state).clear();
     }
 
     /// The jobs completed since the last call: the output for the scheduler side (JSON bytes of
     /// `WorkerOutput`) and `[(job, request, is_load, ok, bytes, seconds, block_ids)]`; a load
     /// older than a reset reads as failed.
     fn take_output<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyBytes>, Vec<DoneTuple>)> {
-        let mut st = locked(&self.state);
-        let mut output = st.handle.take_output();
-        let failed_here = std::mem::take(&mut st.failed_here);
-        output.acks.extend(failed_here);
-        let now = Instant::now();
-        let mut done = Vec::with_capacity(output.acks.len());
-        for ack in &output.acks {
-            let Some(job) = st.jobs.remove(&ack.job.0) else {
-                continue;
-            };
-            let is_load = job.kind == JobKind::Load;
-            let ok = ack.success && !(is_load && job.cancelled);
-            done.push((
-                ack.job.0,
-                job.request,
-                is_load,
-                ok,
-                if ack.success { job.bytes } else { 0 },
-                now.duration_since(job.started).as_secs_f64(),
-                job.blocks,
-            ));
-        }
+        let (output, done) = locked(&self.state).take_output();
         let bytes = serde_json::to_vec(&output)
             .map_err(|e| PyRuntimeError::new_err(format!("worker output: {e}")))?;
+        let done = done
+            .into_iter()
+            .map(|d| {
+                (
+                    d.job, d.request, d.is_load, d.ok, d.bytes, d.seconds, d.blocks,
+                )
+            })
+            .collect();
         Ok((PyBytes::new(py, &bytes), done))
     }
 
     /// Jobs given to this worker and not yet reported.
     fn jobs_in_flight(&self) -> usize {
-        locked(&self.state).jobs.len()
+        locked(&self.state).jobs_in_flight()
     }
 
     /// Blocks (without the GIL) until every job given was copied, at most the worker's drain
     /// deadline (30 s; counted in `engine_drain_timeouts`); returns whether every job was.
     /// `take_output` reports them (those past the deadline later).
     fn drain(&self, py: Python<'_>) -> bool {
-        py.detach(|| locked(&self.state).handle.drain())
+        py.detach(|| locked(&self.state).drain())
     }
 
     /// The worker's counters.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = locked(&self.state).handle.counters();
+        let st = locked(&self.state);
+        let c = st.counters();
         let d = PyDict::new(py);
         d.set_item("jobs_submitted", c.jobs_submitted)?;
         d.set_item("engine_drain_timeouts", c.engine_drain_timeouts)?;
@@ -702,6 +632,15 @@ impl PyConnectorWorker {
         d.set_item("jobs_failed", c.jobs_failed)?;
         d.set_item("submits_busy", c.submits_busy)?;
         d.set_item("flushes", c.flushes)?;
+        d.set_item("compute_events_failed", st.compute_events_failed())?;
         Ok(d)
     }
+}
+
+/// Whether the CUDA driver and a device are usable in this process: `None` when they are, else
+/// why not (the library is missing, no device, initialisation failed). Never raises; loading
+/// this module never loads the driver.
+#[pyfunction]
+pub fn cuda_unavailable_reason() -> Option<String> {
+    tier_gpu::cuda::available().err()
 }

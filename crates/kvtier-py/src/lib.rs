@@ -713,6 +713,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::PyConnectorWorker>()?;
     m.add_function(wrap_pyfunction!(connector::resolve_connector_config, m)?)?;
     m.add_function(wrap_pyfunction!(connector::block_hashes_to_u64, m)?)?;
+    m.add_function(wrap_pyfunction!(connector::cuda_unavailable_reason, m)?)?;
     m.add_function(wrap_pyfunction!(offload_key_to_chunk_key, m)?)?;
     m.add("REPEAT_WINDOW_S", REPEAT_WINDOW.as_secs_f64())?;
     Ok(())

@@ -5,8 +5,9 @@
 What is faked (vLLM's real scheduler and model runner need a model and a GPU): the block
 allocator (a free list, no GPU prefix cache), the scheduling policy (whole prefills, one decode
 token per step, every request admitted when blocks allow) and the model, whose KV for a token is
-a hash of the token prefix up to it, written into CPU KV cache tensors shaped like
-FlashAttention's (2, num_blocks, block_size, heads, head_size) per layer. So every loaded engine
+a hash of the token prefix up to it, written into KV cache tensors (on the CPU, or on a GPU with
+`device="cuda"`) shaped like FlashAttention's (2, num_blocks, block_size, heads, head_size) per
+layer. So every loaded engine
 block can be compared with what recompute gives, byte for byte.
 
 The call order per step follows vLLM 0.33's scheduler and `KVConnectorModelRunnerMixin`:
@@ -127,7 +128,7 @@ class WorkerHost:
     """One worker (vLLM's model runner with its KV cache tensors and worker-side connector):
     rank `rank` of `world`, writing its own shard of every token's KV."""
 
-    def __init__(self, cfg, num_blocks: int, rank: int = 0):
+    def __init__(self, cfg, num_blocks: int, rank: int = 0, device: str = "cpu"):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from kvtier.vllm.connector import KvtierConnector
@@ -136,7 +137,8 @@ class WorkerHost:
         self.rank = rank
         self.layer_names = list(kcc.kv_cache_groups[0].layer_names)
         self.connector = KvtierConnector(cfg, KVConnectorRole.WORKER, kcc)
-        self.kv = {n: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD), dtype=DTYPE)
+        self.kv = {n: torch.zeros((2, num_blocks, BLOCK, HEADS, HEAD), dtype=DTYPE,
+                                  device=device)
                    for n in self.layer_names}
         self.bytes_view = {n: t.view(torch.uint8) for n, t in self.kv.items()}
         self.connector.register_kv_caches(self.kv)
@@ -167,8 +169,8 @@ class WorkerHost:
         for layer, name in enumerate(self.layer_names):
             view = self.bytes_view[name]
             for kv in (0, 1):
-                view[kv, block, slot].view(-1)[:] = torch.frombuffer(
-                    bytearray(row_bytes(digest, layer, kv, self.rank)), dtype=torch.uint8)
+                view[kv, block, slot].view(-1).copy_(torch.frombuffer(
+                    bytearray(row_bytes(digest, layer, kv, self.rank)), dtype=torch.uint8))
 
     def check_prefix(self, rid: str, tokens: list[int], blocks: list[int]) -> None:
         """The KV of `tokens` in `blocks` is exactly what recompute would write."""
@@ -187,10 +189,10 @@ class WorkerHost:
         self.connector.shutdown()
 
 
-def _worker_process(pipe, extra, engine_id, num_blocks, rank, world):
+def _worker_process(pipe, extra, engine_id, num_blocks, rank, world, device):
     """A worker process: a WorkerHost serving run_step calls from the pipe."""
     cfg = vllm_config(extra, engine_id, backend="mp", world_size=world, rank=rank)
-    host = WorkerHost(cfg, num_blocks, rank)
+    host = WorkerHost(cfg, num_blocks, rank, device)
     pipe.send("ready")
     while True:
         msg = pipe.recv()
@@ -207,13 +209,13 @@ def _worker_process(pipe, extra, engine_id, num_blocks, rank, world):
 class RemoteWorker:
     """A WorkerHost in its own process (vLLM's multi-process executor)."""
 
-    def __init__(self, extra, engine_id, num_blocks, rank, world):
+    def __init__(self, extra, engine_id, num_blocks, rank, world, device="cpu"):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self.pipe, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_process,
-                                args=(child, extra, engine_id, num_blocks, rank, world))
+                                args=(child, extra, engine_id, num_blocks, rank, world, device))
         self.proc.start()
         if not self.pipe.poll(300):
             raise AssertionError(f"worker {rank} did not start")
@@ -235,7 +237,7 @@ class RemoteWorker:
 
 class Engine:
     def __init__(self, extra: dict, num_blocks: int = 1024, engine_id: str | None = None,
-                 processes: int = 0):
+                 processes: int = 0, device: str = "cpu"):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -249,12 +251,12 @@ class Engine:
         # vLLM makes the worker side first (with the KV caches), then the scheduler side.
         if processes:
             self.cfg = vllm_config(extra, engine_id, backend="mp", world_size=processes)
-            self.hosts = [RemoteWorker(extra, engine_id, num_blocks, r, processes)
+            self.hosts = [RemoteWorker(extra, engine_id, num_blocks, r, processes, device)
                           for r in range(processes)]
             self.worker = None
         else:
             self.cfg = vllm_config(extra, engine_id)
-            self.hosts = [WorkerHost(self.cfg, num_blocks)]
+            self.hosts = [WorkerHost(self.cfg, num_blocks, device=device)]
             self.worker = self.hosts[0].connector
         self.sched = KvtierConnector(self.cfg, KVConnectorRole.SCHEDULER,
                                      kv_cache_config(num_blocks))

@@ -3,7 +3,9 @@
 //! chunks from a two-region (per-layer) layout, loads them back into other blocks (the first
 //! chunk starting mid-chunk), compares bytes with synchronous device reads, checks per-direction
 //! completion order with both directions in flight, `wait`, `Busy`, waiting on a compute event,
-//! a job that fails on an invalid event, and a drop with jobs in flight.
+//! a job that fails on an invalid event, and a drop with jobs in flight; a `StreamEvent` recorded
+//! on a foreign stream by its raw handle orders a store after that stream's work, also when the
+//! next record is made on another stream.
 
 #![cfg(feature = "cuda")]
 
@@ -16,6 +18,7 @@ use offload_core::{
 };
 use tier_gpu::cuda::{
     self, CopyMethod, CudaEngineConfig, CudaTransferEngine, DeviceBuffer, PinnedHostPool,
+    StreamEvent,
 };
 use tier_gpu::{HostPoolMemory, KvLayout, Region, TransferDone, TransferEngine, TransferError};
 
@@ -65,6 +68,7 @@ fn cuda_tests_ran_or_report_why_not() {
         wait_reports_the_job_and_its_predecessors(&rig, method);
         busy_beyond_the_bound_and_free_again_after_poll(&rig, method);
         store_waits_for_the_compute_event(&rig, method);
+        store_waits_for_a_stream_event_even_after_a_stream_switch(&rig, method);
         drop_synchronises_jobs_in_flight(&rig, method);
     }
     invalid_wait_event_fails_the_job_not_the_engine(&rig);
@@ -530,6 +534,62 @@ fn store_waits_for_the_compute_event(rig: &Rig, method: CopyMethod) {
         "ok: a store after the compute event reads the computed bytes (control run without \
          the wait {} the race)",
         if raced { "observed" } else { "did NOT observe" }
+    );
+}
+
+/// A `StreamEvent` recorded on the compute stream by its raw handle (as kvtier-py does with
+/// PyTorch's current stream) holds a store back until the compute wrote its blocks; recorded
+/// again on a second, idle stream, it still does (the second record first waits for the first).
+fn store_waits_for_a_stream_event_even_after_a_stream_switch(rig: &Rig, method: CopyMethod) {
+    // SAFETY: see the test's SAFETY note.
+    let mut engine = unsafe { rig.engine(method, 8) }.expect("engine");
+    let compute = Compute::new();
+    let other = Compute::new();
+    let mut event = StreamEvent::new(DEVICE).expect("stream event");
+    let busy_bytes = 256 << 20;
+    let busy = [
+        DeviceBuffer::new(DEVICE, busy_bytes).expect("busy buffer"),
+        DeviceBuffer::new(DEVICE, busy_bytes).expect("busy buffer"),
+    ];
+    let blocks = [28, 29, 30, 31];
+    for (round, switch) in [(0u8, false), (1, true)] {
+        rig.fill(8 + round);
+        let staged = slow_compute_then_write(rig, &compute, &busy, 10 + round);
+        // SAFETY: live streams of this test; `event` outlives the engine's submit below.
+        let mut dependency = unsafe { event.record(compute.stream as usize) }.expect("record");
+        if switch {
+            // SAFETY: as above.
+            dependency = unsafe { event.record(other.stream as usize) }.expect("record");
+        }
+        let slot = 10 + u32::from(round);
+        TransferEngine::submit_after(
+            &mut engine,
+            &job(
+                600 + u64::from(round),
+                JobKind::Store,
+                vec![transfer(slot, 0, &blocks)],
+            ),
+            Some(dependency),
+        )
+        .expect("accepted");
+        engine.drain();
+        assert_all_succeeded(&poll_until(&mut engine, 1));
+        compute.sync();
+        drop(staged);
+        for r in 0..REGIONS {
+            for (k, &b) in blocks.iter().enumerate() {
+                assert!(
+                    rig.slot_block(slot, r, k as u32) == rig.block(r, b),
+                    "region {r}: the store read block {b} before the stream event \
+                     (recorded again on another stream: {switch})"
+                );
+            }
+        }
+    }
+    drop(engine);
+    eprintln!(
+        "ok: a store after a StreamEvent recorded on the compute stream's raw handle reads the \
+         computed bytes, also after a record on another stream"
     );
 }
 

@@ -1,7 +1,8 @@
 //! The CUDA path (feature `cuda`): [`CudaTransferEngine`] moves chunks between the engine's KV
 //! cache in device memory and a [`PinnedHostPool`] over one CUDA stream per direction, with
 //! completion events; [`available`] says, without panicking, whether a CUDA driver and device are
-//! present.
+//! present; [`StreamEvent`] records a [`ComputeEvent`] on a compute stream given by its raw
+//! handle (the inference engine's, e.g. PyTorch's current stream).
 //!
 //! cudarc is built with dynamic loading: nothing here needs a CUDA toolkit to build, and the
 //! driver library is looked up at run time. cudarc panics on first use when the library is
@@ -12,6 +13,7 @@
 
 mod driver;
 mod engine;
+mod event;
 mod pinned;
 mod queue;
 
@@ -21,6 +23,7 @@ use cudarc::driver::sys;
 
 pub use driver::DeviceBuffer;
 pub use engine::{ComputeEvent, CopyMethod, CudaEngineConfig, CudaTransferEngine};
+pub use event::StreamEvent;
 pub use pinned::{PinnedHostPool, REGISTER_PIECE_BYTES_DEFAULT};
 
 /// A CUDA event handle (`CUevent`), as the engine's compute stream records it; see

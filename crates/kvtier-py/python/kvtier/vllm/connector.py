@@ -15,8 +15,20 @@
 
 What runs where: the scheduler side is offload-core's request state machine over kvtier's tiering
 manager (host pool plus secondary tiers), native; the worker side copies between vLLM's KV cache
-tensors and the host pool with kvtier's memcpy threads (tier-gpu's host path), native, reading the
-tensors in place (`data_ptr`), never through Python. vLLM's `str` request ids become numbers and
+tensors and the host pool, native, reading the tensors in place (`data_ptr`), never through
+Python: with kvtier's memcpy threads (tier-gpu's host path) for KV caches in host memory, with
+tier-gpu's CUDA engine for KV caches on a CUDA GPU (all layers on one device; the host pool is
+page-locked once per process; a missing CUDA driver is an error naming it at
+`register_kv_caches`, not at import). On a GPU the copies are ordered against vLLM's forward
+through events on torch's current stream: `start_load_kv` records one before the forward is
+enqueued and the loads wait on it; `wait_for_save` records one after it and the stores wait on
+it; a load is reported in `finished_recving` only when its copies are done, and vLLM schedules
+no forward over a loading request before that (so `wait_for_layer_load` has nothing to wait
+for). The CUDA path is written and tested on the CPU (layouts, refusals, the missing driver, the
+host path of the same round trip); its GPU checks (`crates/kvtier-py/scripts/gpu_check.sh`) have
+NOT yet run on a GPU.
+
+vLLM's `str` request ids become numbers and
 its `bytes` block hashes the xxh3-64 of their bytes (as `kvtier.vllm.tiers` keys chunks); the
 per-step metadata and the workers' acknowledgements cross as bytes (offload-core's JSON).
 
@@ -32,8 +44,8 @@ tensor parallel only, the host pool is a file in `/dev/shm` (`$KVTIER_SHM_DIR`) 
 engine id, mapped by the scheduler process and every worker process; each slot holds every
 rank's shard of the chunk, rank after rank, and every job completes at its last rank's
 acknowledgement. `reset_cache` is refused there (the workers' copies cannot be waited for). Other
-layouts (pipeline parallel, several nodes, Ray) are refused at start, naming the setting.
-KV caches on CUDA are refused too: this binding drives the host-memory copy engine only.
+layouts (pipeline parallel, several nodes, Ray) are refused at start, naming the setting, and so
+are KV caches spread over several devices or on a device other than the CPU or a CUDA GPU.
 
 Metrics: kvtier's counters (`kvtier:*`, per tier) and vLLM's offload metric names
 (`vllm:kv_offload_{load,store}_{bytes,time,size}`, and the deprecated
@@ -77,6 +89,7 @@ from .._kvtier import (
     block_hashes_to_u64,
     resolve_connector_config,
 )
+from ..kvcache import KvDevice, kv_cache_regions
 
 if TYPE_CHECKING:
     import torch
@@ -407,47 +420,6 @@ def _engine_geometry(vllm_config: Any, kv_cache_config: Any, workers: int) -> di
         "parallel_layout": f"tp{par.tensor_parallel_size}-pp{par.pipeline_parallel_size}",
         "hash_seed": 0,
     }
-
-
-def _regions(kv_caches: dict[str, torch.Tensor], layer_names: list[str], num_blocks: int):
-    """The KV cache tensors as regions `(base, num_blocks, block_bytes, block_stride, 0)`, in
-    the order of `layer_names` (every instance lays out a slot the same way). A tensor's
-    engine-block dimension is its first (or its second, after a K/V dimension); everything after
-    it must be contiguous."""
-    regions = []
-    for name in layer_names:
-        t = kv_caches.get(name)
-        if t is None:
-            raise ValueError(f"kvtier connector: no KV cache tensor registered for layer {name}")
-        if t.device.type != "cpu":
-            raise ValueError(
-                f"kvtier connector: layer {name}'s KV cache is on {t.device}; this build drives "
-                "kvtier's host-memory copy engine only (CUDA KV caches are not wired yet)"
-            )
-        shape, strides, size = list(t.shape), list(t.stride()), t.element_size()
-        if shape and shape[0] == num_blocks:
-            dim = 0
-        elif len(shape) > 1 and shape[1] == num_blocks:
-            dim = 1
-        else:
-            raise ValueError(
-                f"kvtier connector: layer {name}'s KV cache has shape {tuple(shape)}; expected "
-                f"{num_blocks} engine blocks in dimension 0 or 1"
-            )
-        inner = 1
-        for d in range(len(shape) - 1, dim, -1):
-            if shape[d] != 1 and strides[d] != inner:
-                raise ValueError(
-                    f"kvtier connector: layer {name}'s KV cache is not contiguous within a block "
-                    f"(shape {tuple(shape)}, strides {tuple(strides)})"
-                )
-            inner *= shape[d]
-        block_bytes = inner * size
-        block_stride = strides[dim] * size
-        outer = [0] if dim == 0 else [i * strides[0] * size for i in range(shape[0])]
-        for off in outer:
-            regions.append((t.data_ptr() + off, num_blocks, block_bytes, block_stride, 0))
-    return regions
 
 
 def _engine_id(vllm_config: Any) -> str:
@@ -822,6 +794,7 @@ class _WorkerSide:
         self.blocks_per_chunk = int(resolved["blocks_per_chunk"])
         self.kv_cache_config = kv_cache_config
         self.native: ConnectorWorker | None = None
+        self.device = KvDevice("cpu")
         self._bound: KvtierConnectorMetadata | None = None
         self._names: dict[int, str] = {}
         self._sending: set[str] = set()
@@ -832,14 +805,21 @@ class _WorkerSide:
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         group = self.kv_cache_config.kv_cache_groups[0]
-        regions = _regions(kv_caches, list(group.layer_names), int(self.kv_cache_config.num_blocks))
+        regions, device = kv_cache_regions(kv_caches, list(group.layer_names),
+                                           int(self.kv_cache_config.num_blocks))
         owners = [kv_caches[n] for n in group.layer_names]
         share = None
         if self.workers > 1:
             share_bytes = self.pool.slot_bytes // self.workers
             share = self.rank * share_bytes
-        self.native = ConnectorWorker(self.pool, regions, self.blocks_per_chunk, owners,
-                                      rank=self.rank, share_offset=share)
+        if device.is_cuda:
+            # tier-gpu's CUDA engine; raises naming the CUDA driver where none is usable.
+            self.native = ConnectorWorker.cuda(self.pool, regions, self.blocks_per_chunk, owners,
+                                               device.index, rank=self.rank, share_offset=share)
+        else:
+            self.native = ConnectorWorker(self.pool, regions, self.blocks_per_chunk, owners,
+                                          rank=self.rank, share_offset=share)
+        self.device = device
 
     def bind(self, meta: KVConnectorMetadata) -> None:
         if meta is self._bound:
@@ -860,15 +840,28 @@ class _WorkerSide:
         if self.native is not None:
             self.native.clear()
 
+    def _stream(self) -> int | None:
+        """The compute stream's raw handle on a GPU (torch's current stream on the KV caches'
+        device, where vLLM's forward runs), else None."""
+        if not self.device.is_cuda:
+            return None
+        import torch
+
+        return int(torch.cuda.current_stream(self.device.index).cuda_stream)
+
     def before_compute(self) -> None:
         if self.native is not None and self._bound is not None:
+            # Before the forward is enqueued: the loads wait for what the stream holds so far.
+            stream = self._stream()
             with self.epoch.lock:
-                self.native.before_compute(self._bound.epoch < self.epoch.value)
+                self.native.before_compute(self._bound.epoch < self.epoch.value, stream)
 
     def after_compute(self) -> None:
         if self.native is not None and self._bound is not None:
+            # After the forward was enqueued: the stores wait for it to write their blocks.
+            stream = self._stream()
             with self.epoch.lock:
-                self.native.after_compute(self._bound.epoch < self.epoch.value)
+                self.native.after_compute(self._bound.epoch < self.epoch.value, stream)
 
     def _reap(self) -> None:
         if self.native is None:
