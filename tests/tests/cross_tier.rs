@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use connector::testing::ManualClock;
 use connector::testing::{SharedTier, TierCall};
-use connector::{ManualClock, TieringManager, TieringOptions};
+use connector::{TieringManager, TieringOptions};
 use engine_sim::host::HostMemory;
 use engine_sim::{
     KvHandle, ManagerCall, RequestSpec, SharedPrefix, SharedPrefixSpec, Sim, SimConfig, SimReport,

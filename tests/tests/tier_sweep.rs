@@ -10,8 +10,9 @@ use kvtier_tests::FailingTier;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use connector::testing::ManualClock;
 use connector::testing::{SharedTier, TierCall};
-use connector::{ManualClock, TieringManager, TieringOptions};
+use connector::{TieringManager, TieringOptions};
 use engine_sim::host::HostMemory;
 use engine_sim::scenario::{random_scenario, ScenarioLimits};
 use engine_sim::{KvHandle, Sim};

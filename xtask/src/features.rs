@@ -211,4 +211,24 @@ mod tests {
             assert_eq!(selection.left_out, expected);
         }
     }
+
+    #[test]
+    fn ci_builds_every_benchmark_harness() {
+        // The `bench` features are off by default; CI's clippy and test steps still build and
+        // test the harnesses, with every feature or with every feature a machine can build.
+        let metadata = crate::layering::Workspace::metadata_json(&crate::workspace_root()).unwrap();
+        let both = [NEEDS_LIBCLANG, NEEDS_PROTOC].concat();
+        let selected = features_except(&metadata, &both).unwrap();
+        for harness in [
+            "offload-core/bench",
+            "tier-fs/bench",
+            "tier-gpu/bench",
+            "tier-p2p/bench",
+        ] {
+            assert!(
+                selected.iter().any(|feature| feature == harness),
+                "{harness} is not built by `cargo xtask ci`: {selected:?}"
+            );
+        }
+    }
 }

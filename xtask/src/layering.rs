@@ -63,8 +63,12 @@ pub struct CrateRule {
 }
 
 impl CrateRule {
+    /// Whether the crate may depend on `dep` this way. A crate may always be a dev-dependency of
+    /// itself: that is how its tests and examples turn on its own off-by-default features (the
+    /// `bench` harnesses), and it adds no edge between crates.
     fn allows(&self, dep: &str, kind: DepKind) -> bool {
-        self.deps.contains(&dep) || (kind == DepKind::Dev && self.dev_deps.contains(&dep))
+        self.deps.contains(&dep)
+            || (kind == DepKind::Dev && (self.dev_deps.contains(&dep) || dep == self.name))
     }
 }
 
@@ -645,6 +649,28 @@ mod tests {
         assert_eq!(report.crate_count, 8);
         // Workspace edges (8) plus offload-core's two normal external dependencies.
         assert_eq!(report.edge_count, 10);
+    }
+
+    #[test]
+    fn a_crate_may_dev_depend_on_itself_only() {
+        let report = check(&[
+            ("offload-core", &[("offload-core", Some("dev"), true)]),
+            ("tier-fs", &[("tier-fs", Some("dev"), true)]),
+        ]);
+        assert!(report.is_ok(), "{report}");
+        assert_eq!(report.edge_count, 2);
+        for kind in [None, Some("build")] {
+            let report = check(&[
+                CORE_OK,
+                (
+                    "tier-fs",
+                    &[("offload-core", None, true), ("tier-fs", kind, true)],
+                ),
+            ]);
+            assert_eq!(report.violations.len(), 1, "{report}");
+            let message = report.violations[0].to_string();
+            assert!(message.contains("tier-fs -> tier-fs"), "{message}");
+        }
     }
 
     #[test]

@@ -47,7 +47,7 @@ impl Clock for MonotonicClock {
 }
 
 /// A clock that moves only through [`ManualClock::advance`]; clones share the same time. For
-/// simulators and tests.
+/// simulators and tests (re-exported in [`crate::testing`], not at the crate root).
 #[derive(Clone, Debug, Default)]
 pub struct ManualClock {
     now: Arc<AtomicU64>,

@@ -891,7 +891,7 @@ impl ResolvedConfig {
     }
 
     /// Like [`ResolvedConfig::build_manager`], with the manager's time (metrics, promotion
-    /// deadline) read from `clock` (a simulator's [`crate::ManualClock`]).
+    /// deadline) read from `clock` (a simulator's [`crate::testing::ManualClock`]).
     pub fn build_manager_with_clock(
         &self,
         memory: Arc<dyn SlotMemory>,

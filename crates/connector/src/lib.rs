@@ -11,7 +11,7 @@
 //!   engine's geometry, and the tiers it names started; [`registry`]: the tier types a
 //!   configuration may name (the built-in `fs` and `p2p`, and the embedding program's own).
 //! - [`testing`]: seams for tests and simulators ([`testing::SharedTier`], a tier its builder
-//!   keeps a handle to for fault injection and its call log).
+//!   keeps a handle to for fault injection and its call log; [`testing::ManualClock`]).
 //! - [`metrics`]: counters and their Prometheus text format; [`clock`]: time behind a trait a
 //!   simulator can control.
 //!
@@ -62,22 +62,43 @@ pub mod worker;
 
 pub use offload_core as core;
 
-pub use clock::{Clock, ManualClock, MonotonicClock};
+pub use clock::{Clock, MonotonicClock};
 pub use config::{ConfigError, ConnectorConfig, EngineGeometry, ResolvedConfig};
 pub use handle::{AsTiering, SchedulerHandle};
 pub use metrics::{Metrics, PoolUsage};
 pub use registry::{TierFactory, TierRegistry, TierSettings};
 pub use tiering::{
     TierCounters, TierEvent, TierMask, TieringCounters, TieringManager, TieringOptions,
-    HOST_TIER_NAME, RESET_DRAIN_POLL_INTERVAL_NS, TIERS_MAX,
+    HOST_TIER_NAME, TIERS_MAX,
 };
 #[cfg(feature = "gpu")]
 pub use worker::{WorkerCounters, WorkerHandle, WORKER_DRAIN_DEADLINE};
 
 /// Seams for tests and simulators, kept out of the crate root: [`SharedTier`](crate::shared::SharedTier) (a tier behind a
 /// shared lock with a call log, so the builder keeps a handle to a tier it gave the manager, for
-/// fault injection mid-run) and its [`TierCall`](crate::shared::TierCall) log entries. [`crate::ManualClock`] stays at
-/// the root: simulators (engine-sim, `kvtier replay`) run on it, not only tests.
+/// fault injection mid-run) and its [`TierCall`](crate::shared::TierCall) log entries, and
+/// [`ManualClock`](crate::clock::ManualClock) (time that moves only when told, which the
+/// deterministic simulator and the deadline tests run on; an engine uses the monotonic clock).
+///
+/// ```
+/// use connector::testing::{ManualClock, SharedTier, TierCall};
+/// use connector::Clock;
+///
+/// let clock = ManualClock::new();
+/// clock.advance(5);
+/// assert_eq!(clock.now_ns(), 5);
+/// ```
+///
+/// None of them is at the crate root:
+///
+/// ```compile_fail
+/// use connector::ManualClock;
+/// ```
+///
+/// ```compile_fail
+/// use connector::SharedTier;
+/// ```
 pub mod testing {
+    pub use crate::clock::ManualClock;
     pub use crate::shared::{SharedTier, TierCall};
 }

@@ -592,7 +592,7 @@ fn a_promotion_stuck_behind_a_busy_tier_is_cancelled_at_its_deadline() {
         ),
         1000,
     );
-    let clock = connector::ManualClock::new();
+    let clock = connector::testing::ManualClock::new();
     let options = TieringOptions {
         strict: true,
         promotion_deadline_ns: 1000,
@@ -842,7 +842,7 @@ fn a_promotion_does_not_evict_the_prefix_its_own_request_just_found() {
 
 #[test]
 fn promotion_pins_go_with_the_finish_the_reset_and_the_deadline_exactly_once() {
-    let clock = connector::ManualClock::new();
+    let clock = connector::testing::ManualClock::new();
     let options = TieringOptions {
         strict: true,
         promotion_deadline_ns: 1000,
@@ -930,7 +930,7 @@ fn promotion_pins_go_with_the_finish_the_reset_and_the_deadline_exactly_once() {
 
 /// Options on a manual clock with the given cascade and reset drain deadlines.
 fn deadline_options(
-    clock: &connector::ManualClock,
+    clock: &connector::testing::ManualClock,
     cascade_deadline_ns: u64,
     reset_drain_deadline_ns: u64,
 ) -> TieringOptions {
@@ -975,7 +975,7 @@ fn every_job_reported_once(f: &Fixture) {
 
 #[test]
 fn a_stalled_cascade_is_cancelled_at_the_deadline_and_unpinned_only_when_reported() {
-    let clock = connector::ManualClock::new();
+    let clock = connector::testing::ManualClock::new();
     let options = deadline_options(&clock, 1000, 1_000_000);
     let mut f = fixture_with_options(2, vec![stalled()], options);
     let r = RequestId(1);
@@ -1028,7 +1028,7 @@ fn a_stalled_cascade_is_cancelled_at_the_deadline_and_unpinned_only_when_reporte
 
 #[test]
 fn a_cascade_queued_behind_a_busy_tier_expires_its_pins_go_and_its_request_finalizes() {
-    let clock = connector::ManualClock::new();
+    let clock = connector::testing::ManualClock::new();
     let options = deadline_options(&clock, 1000, 1_000_000);
     let busy = FakeTierConfig {
         jobs_in_flight_max: 0,
@@ -1149,8 +1149,8 @@ impl Tier for DrainBlocksUntilCancelled {
 
 #[test]
 fn reset_against_a_stalled_tier_returns_at_its_deadline_and_counts_it() {
-    let clock = connector::ManualClock::new();
-    let deadline = 5 * connector::RESET_DRAIN_POLL_INTERVAL_NS;
+    let clock = connector::testing::ManualClock::new();
+    let deadline = 5 * connector::tiering::RESET_DRAIN_POLL_INTERVAL_NS;
     let options = deadline_options(&clock, u64::MAX, deadline);
     let memory = Arc::new(VecSlotMemory::new(2, SLOT_BYTES));
     let dyn_memory: Arc<dyn SlotMemory> = memory.clone();
@@ -1192,7 +1192,7 @@ fn reset_against_a_stalled_tier_returns_at_its_deadline_and_counts_it() {
         "waited {waited} ns, less than the deadline"
     );
     assert!(
-        waited <= deadline + connector::RESET_DRAIN_POLL_INTERVAL_NS,
+        waited <= deadline + connector::tiering::RESET_DRAIN_POLL_INTERVAL_NS,
         "waited {waited} ns, past the deadline"
     );
     assert_eq!(manager.counters().reset_drain_timeouts, 1);
@@ -1235,9 +1235,9 @@ fn reset_against_a_stalled_tier_returns_at_its_deadline_and_counts_it() {
 /// A manager over a two-slot pool and one stalled tier that ignores `cancel` (its `drain` would
 /// block forever), on `clock` with a reset (and drain) deadline of five poll intervals.
 fn manager_over_a_tier_that_ignores_cancel(
-    clock: &connector::ManualClock,
+    clock: &connector::testing::ManualClock,
 ) -> (TieringManager, SharedTier<DrainBlocksUntilCancelled>) {
-    let deadline = 5 * connector::RESET_DRAIN_POLL_INTERVAL_NS;
+    let deadline = 5 * connector::tiering::RESET_DRAIN_POLL_INTERVAL_NS;
     let options = deadline_options(clock, u64::MAX, deadline);
     let memory = Arc::new(VecSlotMemory::new(2, SLOT_BYTES));
     let dyn_memory: Arc<dyn SlotMemory> = memory;
@@ -1270,7 +1270,7 @@ fn manager_over_a_tier_that_ignores_cancel(
 fn reset_against_a_tier_that_ignores_cancel_holds_its_slots_instead_of_blocking() {
     // Issue 18 item 5: the reset returns at its deadline even though the tier never reports;
     // the slots the tier may still read are held (never reused) until it does report.
-    let clock = connector::ManualClock::new();
+    let clock = connector::testing::ManualClock::new();
     let (mut manager, tier) = manager_over_a_tier_that_ignores_cancel(&clock);
     let r = RequestId(1);
     let mut prepared = PreparedStore::default();
@@ -1320,7 +1320,7 @@ fn reset_against_a_tier_that_ignores_cancel_holds_its_slots_instead_of_blocking(
 
 #[test]
 fn drain_and_drop_return_at_the_deadline_against_a_tier_that_ignores_cancel() {
-    let clock = connector::ManualClock::new();
+    let clock = connector::testing::ManualClock::new();
     let (mut manager, tier) = manager_over_a_tier_that_ignores_cancel(&clock);
     let r = RequestId(1);
     let mut prepared = PreparedStore::default();
@@ -1331,7 +1331,7 @@ fn drain_and_drop_return_at_the_deadline_against_a_tier_that_ignores_cancel() {
     let start = connector::Clock::now_ns(&clock);
     assert!(!manager.drain(), "the job is still in flight");
     let waited = connector::Clock::now_ns(&clock) - start;
-    assert_eq!(waited, 5 * connector::RESET_DRAIN_POLL_INTERVAL_NS);
+    assert_eq!(waited, 5 * connector::tiering::RESET_DRAIN_POLL_INTERVAL_NS);
     assert_eq!(manager.counters().drain_timeouts, 1);
     assert_eq!(manager.tier_jobs_in_flight(), 1);
     assert_eq!(manager.host().ref_count(key(1)), Some(1), "still pinned");
@@ -1339,7 +1339,7 @@ fn drain_and_drop_return_at_the_deadline_against_a_tier_that_ignores_cancel() {
     drop(manager);
     assert_eq!(
         connector::Clock::now_ns(&clock) - start,
-        10 * connector::RESET_DRAIN_POLL_INTERVAL_NS
+        10 * connector::tiering::RESET_DRAIN_POLL_INTERVAL_NS
     );
     tier.with(|t| assert_eq!(t.reported.len(), 0));
 }

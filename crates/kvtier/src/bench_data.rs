@@ -2,7 +2,7 @@
 //! run by the tier crate's own benchmark (`tier_gpu::bench`, `tier_fs::bench`, `tier_p2p::bench`),
 //! printed side by side with their ratio per chunk size.
 
-use offload_core::BenchRow;
+use offload_core::bench::BenchRow;
 use serde::Serialize;
 
 /// One row of the output: [`BenchRow`] with its ratio.

@@ -8,6 +8,7 @@
 
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod error;
 pub mod event;
@@ -22,7 +23,6 @@ pub mod scheduler;
 pub mod stats;
 pub mod tier;
 
-pub use bench::BenchRow;
 pub use error::{CoreError, ErrorKind};
 pub use event::{KvEvent, Medium};
 pub use key::{BlockId, ChunkKey, JobId, LookupResult, RequestId, SlotId};

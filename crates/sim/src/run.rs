@@ -7,8 +7,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use connector::testing::ManualClock;
 use connector::testing::{SharedTier, TierCall};
-use connector::{ManualClock, TieringManager, TieringOptions};
+use connector::{TieringManager, TieringOptions};
 use engine_sim::host::HostMemory;
 use engine_sim::rng::SplitMix64;
 use engine_sim::trace::TraceRecord;

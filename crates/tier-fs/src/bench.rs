@@ -22,9 +22,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::bench::median;
+use offload_core::bench::{median, BenchRow};
 use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
-use offload_core::{BenchRow, ChunkKey, JobId, SlotId};
+use offload_core::{ChunkKey, JobId, SlotId};
 
 use crate::config::{EngineChoice, FsTierConfig, NamespaceId};
 use crate::error::FsError;

@@ -14,7 +14,8 @@
 //! - [`stats`]: counters ([`FsStats`]).
 //! - [`tier`]: [`FsTier`], the `Tier` implementation: a front end on the caller's thread and
 //!   background workers, each owning an I/O engine.
-//! - [`bench`](mod@bench): the store/load benchmark against raw O_DIRECT of the same directory.
+//! - `bench` (feature `bench`): the store/load benchmark against raw O_DIRECT of the same
+//!   directory.
 //!
 //! On disk: `<root>/<namespace hash>/namespace.json` (the layout identity, checked at start) and
 //! segment files `<instance>-<sequence>.seg`, each appended by one worker of one instance: a
@@ -34,6 +35,7 @@
 //! reports success for bytes whose header or checksum do not verify; an instance writes only into
 //! its own segments when the directory is shared.
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod config;
 pub mod error;

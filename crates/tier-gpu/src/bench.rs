@@ -6,7 +6,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use offload_core::{BenchRow, BlockId, ChunkKey, Job, JobId, JobKind, RequestId, SlotId, Transfer};
+use offload_core::bench::BenchRow;
+use offload_core::{BlockId, ChunkKey, Job, JobId, JobKind, RequestId, SlotId, Transfer};
 
 use crate::{HostCopier, HostPoolMemory, HostTransferEngine, KvLayout, Region, TransferEngine};
 

@@ -10,6 +10,7 @@
 //! Both engines implement [`TransferEngine`]: jobs are submitted, complete exactly once, and are
 //! reported in submission order per direction.
 
+#[cfg(feature = "bench")]
 pub mod bench;
 #[cfg(feature = "cuda")]
 pub mod cuda;

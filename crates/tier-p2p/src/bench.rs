@@ -34,9 +34,9 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::bench::median;
+use offload_core::bench::{median, BenchRow};
 use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
-use offload_core::{BenchRow, ChunkKey, JobId, SlotId};
+use offload_core::{ChunkKey, JobId, SlotId};
 
 use crate::client::HASH_PIECE_BYTES;
 use crate::frame::{DATA_PREFIX_BYTES, HEADER_BYTES};

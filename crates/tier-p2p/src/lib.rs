@@ -25,6 +25,7 @@
 //! Not here (yet): a pre-faulted arena for published chunks (each publish allocates its copy).
 
 pub mod auth;
+#[cfg(feature = "bench")]
 pub mod bench;
 mod client;
 pub mod config;

@@ -18,14 +18,33 @@
 //! then moved into a `Draining` record that has no block table and no cursor, so a store for a
 //! finished request cannot be built: the reference's "prepare_store after on_request_finished"
 //! crash is unrepresentable here.
+//!
+//! Files, one idea each: this one holds the settings, the engine's inputs, and the
+//! [`Scheduler`]'s tables (request table, job table, fences) with its inspection methods;
+//! `admit.rs` a request's arrival, prefix lookup and load job; `step.rs` each step's metadata,
+//! preemptions and fences; `store.rs` store jobs; `finish.rs` finishes, the single finish signal
+//! and block release; `ack.rs` the workers' acknowledgements; `reset.rs` `reset_cache`;
+//! `check.rs` broken invariants and the strict cross-checks; `request.rs` a request's own
+//! state (watermark, store candidates).
+
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::key::{BlockId, RequestId};
-mod request;
-mod state;
+use crate::key::{BlockId, ChunkKey, JobId, RequestId, SlotId};
+use crate::manager::{OffloadManager, PreparedStore};
+use crate::meta::{Job, JobKind};
+use crate::scheduler::request::Tracked;
+use crate::CoreError;
 
-pub use state::{Scheduler, SchedulerStats};
+mod ack;
+mod admit;
+mod check;
+mod finish;
+mod request;
+mod reset;
+mod step;
+mod store;
 
 /// When a request's chunks are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,4 +174,213 @@ pub struct UpdateOutcome {
     /// Load jobs that ended: the request, and whether its loaded tokens are valid. On `false`
     /// the engine recomputes the tokens the load would have provided.
     pub loads: Vec<(RequestId, bool)>,
+}
+
+/// Counters of the scheduler side (the host pool keeps its own).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerStats {
+    /// Load jobs built.
+    pub load_jobs: u64,
+    /// Store jobs built.
+    pub store_jobs: u64,
+    /// Chunks in built load jobs.
+    pub chunks_load_submitted: u64,
+    /// Chunks in built store jobs.
+    pub chunks_store_submitted: u64,
+    /// Store preparations that failed for lack of room (retried next step).
+    pub allocation_failures: u64,
+    /// Store jobs that failed on a worker.
+    pub store_failures: u64,
+    /// Load jobs that failed (the engine recomputed).
+    pub load_failures: u64,
+    /// Store jobs flushed by a fence or a preemption.
+    pub flushes: u64,
+    /// Finish signals delivered to the manager.
+    pub finish_signals: u64,
+    /// Acknowledgements ignored because their job predates a reset.
+    pub stale_acks: u64,
+    /// Bookkeeping invariants broken (non-strict mode only; strict mode panics).
+    pub invariant_failures: u64,
+    /// Requests not tracked because the table was full.
+    pub requests_untracked: u64,
+    /// Live requests whose offload was switched off after a broken invariant about them
+    /// (non-strict mode): no more stores or loads for them; the engine recomputes.
+    pub requests_disabled: u64,
+}
+
+/// One job in flight, as the scheduler remembers it until every worker acknowledged it.
+#[derive(Debug)]
+struct JobRecord {
+    request: RequestId,
+    kind: JobKind,
+    keys: Vec<ChunkKey>,
+    /// The host slot of each key (what a reset holds for the job until it is over).
+    slots: Vec<SlotId>,
+    /// Engine blocks a store reads (its fences); empty for loads.
+    blocks: Vec<BlockId>,
+    /// Bit w set once worker w acknowledged.
+    acked: u64,
+    failed: bool,
+}
+
+/// A job that was in flight at a `reset_cache`: its acknowledgements no longer count, but its
+/// host slots stay held (and its request's engine blocks kept) until every worker reported it,
+/// since until then a transfer may still write them.
+#[derive(Debug)]
+struct StaleJob {
+    request: RequestId,
+    slots: Vec<SlotId>,
+    /// Bit w set once worker w acknowledged.
+    acked: u64,
+    /// A load whose failure the engine hears when it is over (until then the request waits for
+    /// it, holding the blocks it writes).
+    report_load: bool,
+}
+
+/// The scheduler side of kvtier for one engine: request states, job building, acknowledgements.
+///
+/// It owns the chunk manager `M` (the host pool, or the connector's tiering manager) and is the
+/// only caller of the manager's request-scoped methods, in an order that keeps the lifecycle
+/// contract: every `prepare_store` of a request precedes its `on_request_finished`, which is
+/// delivered exactly once.
+pub struct Scheduler<M> {
+    config: SchedulerConfig,
+    manager: M,
+    requests: BTreeMap<RequestId, Tracked>,
+    jobs: BTreeMap<JobId, JobRecord>,
+    /// `(engine block, store job)` for every in-flight store that reads that block.
+    fences: BTreeSet<(BlockId, JobId)>,
+    next_job_id: u64,
+    /// Jobs older than this were cancelled by `reset_cache`; their acknowledgements are ignored.
+    job_floor: JobId,
+    /// A reset the workers have not heard of yet.
+    pending_reset: Option<JobId>,
+    /// Load jobs built since the last meta.
+    loads_out: Vec<Job>,
+    /// Store jobs to flush in the next meta.
+    flush_out: BTreeSet<JobId>,
+    /// Finish signals delivered since the last meta.
+    finished_out: Vec<RequestId>,
+    /// Finished requests whose blocks the engine may free.
+    released: Vec<RequestId>,
+    /// Loads that failed before a job existed, reported by the next `update_connector_output`.
+    failed_loads: Vec<RequestId>,
+    /// Requests that finished and wait for the next `build_connector_meta` to be signalled.
+    finishing: BTreeSet<RequestId>,
+    /// Jobs in flight at a reset and not yet acknowledged by every worker.
+    stale_jobs: BTreeMap<JobId, StaleJob>,
+    /// How many of `stale_jobs` each request has.
+    stale_by_request: BTreeMap<RequestId, u32>,
+    /// Finished requests whose engine blocks are released once their stale jobs are over.
+    release_after_stale: BTreeSet<RequestId>,
+    stats: SchedulerStats,
+    scratch_keys: Vec<ChunkKey>,
+    scratch_slots: Vec<SlotId>,
+    scratch_candidates: Vec<(u32, u32, u32)>,
+    scratch_prepared: PreparedStore,
+}
+
+impl<M: OffloadManager> Scheduler<M> {
+    /// Creates a scheduler over `manager`; fails naming the setting if `config` is invalid.
+    pub fn new(config: SchedulerConfig, manager: M) -> Result<Self, CoreError> {
+        validate(&config)?;
+        Ok(Self {
+            config,
+            manager,
+            requests: BTreeMap::new(),
+            jobs: BTreeMap::new(),
+            fences: BTreeSet::new(),
+            next_job_id: 1,
+            job_floor: JobId(0),
+            pending_reset: None,
+            loads_out: Vec::new(),
+            flush_out: BTreeSet::new(),
+            finished_out: Vec::new(),
+            released: Vec::new(),
+            failed_loads: Vec::new(),
+            finishing: BTreeSet::new(),
+            stale_jobs: BTreeMap::new(),
+            stale_by_request: BTreeMap::new(),
+            release_after_stale: BTreeSet::new(),
+            stats: SchedulerStats::default(),
+            scratch_keys: Vec::new(),
+            scratch_slots: Vec::new(),
+            scratch_candidates: Vec::new(),
+            scratch_prepared: PreparedStore::default(),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The manager, for inspection.
+    pub fn manager(&self) -> &M {
+        &self.manager
+    }
+
+    /// The manager, for direct calls (tests and tools). Calls made through it bypass the
+    /// lifecycle bookkeeping.
+    pub fn manager_mut(&mut self) -> &mut M {
+        &mut self.manager
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+
+    /// Requests tracked (live or draining).
+    pub fn tracked_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Jobs built and not yet acknowledged by every worker.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Whether `id` is tracked.
+    pub fn is_tracked(&self, id: RequestId) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    fn allocate_job_id(&mut self) -> JobId {
+        let id = JobId(self.next_job_id);
+        self.next_job_id += 1;
+        id
+    }
+}
+
+fn validate(config: &SchedulerConfig) -> Result<(), CoreError> {
+    let bad = |key: &'static str, reason: &str| {
+        Err(CoreError::InvalidConfig {
+            key,
+            reason: reason.to_string(),
+        })
+    };
+    if config.tokens_per_block == 0 {
+        return bad("tokens_per_block", "must be at least 1");
+    }
+    if config.blocks_per_chunk == 0 {
+        return bad("blocks_per_chunk", "must be at least 1");
+    }
+    if config
+        .tokens_per_block
+        .checked_mul(config.blocks_per_chunk)
+        .is_none()
+    {
+        return bad("blocks_per_chunk", "tokens per chunk overflow u32");
+    }
+    if config.worker_count == 0 || config.worker_count > 64 {
+        return bad("worker_count", "must be between 1 and 64");
+    }
+    if config.jobs_in_flight_max == 0 {
+        return bad("jobs_in_flight_max", "must be at least 1");
+    }
+    if config.requests_max == 0 {
+        return bad("requests_max", "must be at least 1");
+    }
+    Ok(())
 }
