@@ -12,7 +12,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::tier::{SlotMemory, Tier, TierJob, TierLookup, TierOp};
 use offload_core::JobId;
 use tier_p2p::frame::{Frame, FrameKind, DATA_PREFIX_BYTES, HEADER_BYTES, KEY_BYTES};
 use tier_p2p::{P2pConfig, P2pTier};
@@ -129,12 +129,12 @@ fn tampered_chunks_fail_their_keys(tamper: Tamper) {
     );
     common::submit_load(&mut b, JobId(1), &[0, 1], 0, BYTES);
     let done = common::wait(&mut b, JobId(1), WAIT);
+    let stats = b.stats();
     assert_eq!(
         done.failed,
         vec![common::key(0), common::key(1)],
-        "{tamper:?}: tampered chunks must fail their keys"
+        "{tamper:?}: tampered chunks must fail their keys ({stats:?})"
     );
-    let stats = b.stats();
     assert_eq!(stats.chunks_fetched, 0, "{tamper:?}: {stats:?}");
     assert!(stats.mac_failures >= 2, "{tamper:?}: {stats:?}");
     assert!(
@@ -257,8 +257,28 @@ fn pushed_chunks_verify_with_a_secret_and_load_byte_identical() {
             (tier, memory)
         })
         .collect();
+    // Chunks no other test here loads: a push that reached another test's instance (a freed
+    // port taken again) could not stand in for the bytes that test expects.
+    let indices = [40, 41, 42, 43];
     let (a, published) = &mut tiers[0];
-    common::publish(a, published, 4, BYTES);
+    let chunks = indices
+        .iter()
+        .enumerate()
+        .map(|(n, &i)| {
+            let slot = offload_core::SlotId(n as u32);
+            tier_testkit::fill_slot(&**published, slot, BYTES as usize, common::seed(i));
+            (common::key(i), slot, BYTES)
+        })
+        .collect();
+    a.submit(TierJob {
+        id: JobId(7),
+        request: None,
+        op: TierOp::Store,
+        chunks,
+    })
+    .expect("publish accepted");
+    let done = common::wait(a, JobId(7), WAIT);
+    assert!(done.is_success(), "{done:?}");
     common::eventually("every chunk pushed to its owner", WAIT, || {
         tiers[0].0.stats().chunks_pushed == 4
     });
@@ -266,17 +286,17 @@ fn pushed_chunks_verify_with_a_secret_and_load_byte_identical() {
     assert_eq!(received, 4);
     assert_eq!(tiers[0].0.stats().push_failures, 0);
     let (b, fetched) = &mut tiers[1];
-    for i in 0..4 {
+    for i in indices {
         assert_eq!(
             common::settle(b, common::key(i), WAIT),
             TierLookup::Hit,
             "chunk {i}"
         );
     }
-    common::submit_load(b, JobId(1), &[0, 1, 2, 3], 0, BYTES);
+    common::submit_load(b, JobId(1), &indices, 0, BYTES);
     let done = common::wait(b, JobId(1), WAIT);
     assert!(done.is_success(), "{done:?}");
-    common::expect_loaded(&**fetched, &[0, 1, 2, 3], 0, BYTES);
+    common::expect_loaded(&**fetched, &indices, 0, BYTES);
     for (tier, _) in &tiers {
         assert_eq!(tier.stats().mac_failures, 0);
     }
