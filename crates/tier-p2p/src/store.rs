@@ -1,6 +1,6 @@
 //! The published-chunk store: the bytes this instance serves to its peers, each with the xxh3
-//! checksum computed when it was published (and, for keyed tags, its BLAKE3 digest), bounded by a byte capacity with least-recently-used
-//! eviction.
+//! checksum computed when it was published (and, for keyed tags, its BLAKE3 digest), bounded
+//! by a byte capacity with least-recently-used eviction.
 //!
 //! Why a copy and not the host pool's slots: the host pool reuses a slot as soon as its chunk is
 //! evicted, and it does not tell secondary tiers. Serving a slot in place could send a peer the
