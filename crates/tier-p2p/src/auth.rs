@@ -7,7 +7,9 @@
 //! and the namespace ([`session_key`]), and every chunk payload on that connection (DATA, PUT,
 //! and the digests of a NIXL_OFFER) carries a keyed BLAKE3 tag under it (`ChunkAuth`) instead
 //! of the unkeyed xxh3, so neither a peer without the secret nor anything on the path can serve
-//! bytes that verify. Without a secret (loopback only) the tag is the xxh3 checksum.
+//! bytes that verify. The tag keys the payload's unkeyed BLAKE3 digest, which a publisher
+//! computes once per chunk, not the bytes themselves (protocol 5). Without a secret (loopback
+//! only) the tag is the xxh3 checksum.
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
@@ -21,6 +23,7 @@ use sha2::{Digest, Sha256};
 use offload_core::ChunkKey;
 
 use crate::frame::{FrameKind, MAC_BYTES, NONCE_BYTES};
+use crate::store::PublishedChunk;
 
 /// Which side of a connection computes a proof.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,10 +129,22 @@ pub fn session_key(
     mac.finalize().into_bytes().into()
 }
 
+/// Bytes of a chunk payload's digest, the unkeyed BLAKE3 hash that keyed tags bind.
+pub(crate) const DIGEST_BYTES: usize = 32;
+
+/// The unkeyed BLAKE3 digest of a chunk payload. A publisher computes it once per chunk; a
+/// keyed tag binds it instead of the bytes, so a server tags a chunk without reading it.
+pub(crate) fn digest(payload: &[u8]) -> [u8; DIGEST_BYTES] {
+    *blake3::hash(payload).as_bytes()
+}
+
 /// How a connection protects chunk payloads: the plain xxh3 checksum (no secret, loopback only)
-/// or a keyed BLAKE3 MAC under the session key, over the frame kind, the chunk key and the
-/// payload, cut to the 64 bits of the frame's checksum field. (A forger must guess 64 bits per
-/// try, and every wrong try fails that chunk and is counted.)
+/// or a keyed BLAKE3 MAC under the session key over the frame kind, the chunk key and the
+/// payload's unkeyed BLAKE3 digest, cut to the 64 bits of the frame's checksum field. (A forger
+/// must guess 64 bits per try, and every wrong try fails that chunk and is counted; other bytes
+/// under the same tag would need a BLAKE3 collision.) The digest is computed once per published
+/// chunk, so a server tags each send with one short keyed hash; the receiver hashes the bytes
+/// it received, then keys the tag over that digest.
 #[derive(Clone, Default)]
 pub(crate) enum ChunkAuth {
     /// xxh3-64 of the payload.
@@ -154,47 +169,55 @@ impl ChunkAuth {
         matches!(self, ChunkAuth::Keyed(_))
     }
 
-    /// The tag of `payload`, sent as `kind` for `key`; `checksum` is the payload's xxh3, already
-    /// known (the tag when unkeyed).
-    pub(crate) fn tag_with(
-        &self,
-        kind: FrameKind,
-        key: ChunkKey,
-        payload: &[u8],
-        checksum: u64,
-    ) -> u64 {
+    /// The tag of a published chunk, sent as `kind` for `key`: its xxh3 as published, or keyed
+    /// over its digest (computed once per chunk: at publish with a secret, else on first use).
+    /// Reads no payload byte once the digest is known.
+    pub(crate) fn tag_of(&self, kind: FrameKind, key: ChunkKey, chunk: &PublishedChunk) -> u64 {
         match self {
-            ChunkAuth::Checksum => checksum,
-            ChunkAuth::Keyed(_) => {
-                let mut hasher = self.hasher(kind, key);
-                hasher.update(payload);
-                hasher.finish()
-            }
+            ChunkAuth::Checksum => chunk.checksum,
+            ChunkAuth::Keyed(session) => keyed_tag(session, kind, key, chunk.digest()),
         }
     }
 
     /// The tag of `payload`, sent as `kind` for `key`.
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    #[cfg_attr(not(any(test, feature = "nixl")), allow(dead_code))]
     pub(crate) fn tag(&self, kind: FrameKind, key: ChunkKey, payload: &[u8]) -> u64 {
-        match self {
-            ChunkAuth::Checksum => crate::store::checksum(payload),
-            ChunkAuth::Keyed(_) => self.tag_with(kind, key, payload, 0),
-        }
+        let mut hasher = self.hasher(kind, key);
+        hasher.update(payload);
+        hasher.finish()
     }
 
     /// A streaming hasher for the payload of a `kind` frame for `key`, fed piece by piece.
     pub(crate) fn hasher(&self, kind: FrameKind, key: ChunkKey) -> ChunkHasher {
         match self {
             ChunkAuth::Checksum => ChunkHasher::Checksum(twox_hash::XxHash3_64::default()),
-            ChunkAuth::Keyed(session) => {
-                let mut hasher = blake3::Hasher::new_keyed(session);
-                hasher.update(&[kind as u8]);
-                hasher.update(&key.hash.to_le_bytes());
-                hasher.update(&key.group.to_le_bytes());
-                ChunkHasher::Keyed(hasher)
-            }
+            ChunkAuth::Keyed(session) => ChunkHasher::Keyed {
+                payload: blake3::Hasher::new(),
+                session: *session,
+                kind,
+                key,
+            },
         }
     }
+}
+
+/// The keyed tag of a payload with `digest`, sent as `kind` for `key`: the first 8 bytes
+/// (little-endian) of keyed BLAKE3 under `session` over `u8 kind | u64 key hash | u32 key group
+/// | digest`.
+fn keyed_tag(
+    session: &[u8; MAC_BYTES],
+    kind: FrameKind,
+    key: ChunkKey,
+    digest: &[u8; DIGEST_BYTES],
+) -> u64 {
+    let mut hasher = blake3::Hasher::new_keyed(session);
+    hasher.update(&[kind as u8]);
+    hasher.update(&key.hash.to_le_bytes());
+    hasher.update(&key.group.to_le_bytes());
+    hasher.update(digest);
+    let mut tag = [0u8; 8];
+    tag.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
+    u64::from_le_bytes(tag)
 }
 
 /// The streaming form of [`ChunkAuth::tag`]. One lives on the stack per received chunk; its
@@ -203,8 +226,17 @@ impl ChunkAuth {
 pub(crate) enum ChunkHasher {
     /// xxh3-64.
     Checksum(twox_hash::XxHash3_64),
-    /// Keyed BLAKE3.
-    Keyed(blake3::Hasher),
+    /// The payload's unkeyed BLAKE3, keyed into the tag at the end.
+    Keyed {
+        /// Unkeyed BLAKE3 of the bytes fed so far.
+        payload: blake3::Hasher,
+        /// The connection's session key.
+        session: [u8; MAC_BYTES],
+        /// The frame kind the tag binds.
+        kind: FrameKind,
+        /// The chunk key the tag binds.
+        key: ChunkKey,
+    },
 }
 
 impl ChunkHasher {
@@ -212,8 +244,8 @@ impl ChunkHasher {
     pub(crate) fn update(&mut self, bytes: &[u8]) {
         match self {
             ChunkHasher::Checksum(hasher) => std::hash::Hasher::write(hasher, bytes),
-            ChunkHasher::Keyed(hasher) => {
-                hasher.update(bytes);
+            ChunkHasher::Keyed { payload, .. } => {
+                payload.update(bytes);
             }
         }
     }
@@ -222,11 +254,12 @@ impl ChunkHasher {
     pub(crate) fn finish(&self) -> u64 {
         match self {
             ChunkHasher::Checksum(hasher) => std::hash::Hasher::finish(hasher),
-            ChunkHasher::Keyed(hasher) => {
-                let mut tag = [0u8; 8];
-                tag.copy_from_slice(&hasher.finalize().as_bytes()[..8]);
-                u64::from_le_bytes(tag)
-            }
+            ChunkHasher::Keyed {
+                payload,
+                session,
+                kind,
+                key,
+            } => keyed_tag(session, *kind, *key, payload.finalize().as_bytes()),
         }
     }
 }
@@ -267,6 +300,48 @@ mod tests {
             plain.tag(FrameKind::Data, key, &bytes),
             crate::store::checksum(&bytes)
         );
+    }
+
+    /// Protocol 5's tag, computed here from its definition with the blake3 crate alone.
+    fn tag_by_definition(session: &[u8; 32], kind: FrameKind, key: ChunkKey, bytes: &[u8]) -> u64 {
+        let digest = blake3::hash(bytes);
+        let mut input = vec![kind as u8];
+        input.extend_from_slice(&key.hash.to_le_bytes());
+        input.extend_from_slice(&key.group.to_le_bytes());
+        input.extend_from_slice(digest.as_bytes());
+        let tag = blake3::keyed_hash(session, &input);
+        u64::from_le_bytes(tag.as_bytes()[..8].try_into().expect("8 bytes"))
+    }
+
+    #[test]
+    fn keyed_tag_binds_the_payload_digest_and_needs_no_bytes_once_published() {
+        let key = ChunkKey {
+            hash: 0x0123_4567_89ab_cdef,
+            group: 3,
+        };
+        let bytes: Vec<u8> = (0..300_001u32).map(|i| (i * 13 + i / 7) as u8).collect();
+        let session = session_key(b"secret-secret-16", &[4; 32], &[5; 32], b"ns");
+        let auth = ChunkAuth::Keyed(session);
+        let expected = tag_by_definition(&session, FrameKind::Data, key, &bytes);
+        // What the receiver computes over the bytes it received, in pieces.
+        let mut streamed = auth.hasher(FrameKind::Data, key);
+        for piece in bytes.chunks(64 * 1024) {
+            streamed.update(piece);
+        }
+        assert_eq!(streamed.finish(), expected);
+        assert_eq!(auth.tag(FrameKind::Data, key, &bytes), expected);
+        // What the sender tags a published chunk with: from its digest, not its bytes. A chunk
+        // whose bytes changed after it was published keeps the tag of what was published, so
+        // the receiver's hash of the changed bytes fails it.
+        let chunk = PublishedChunk::new(bytes.clone().into_boxed_slice(), 0);
+        assert_eq!(chunk.digest(), blake3::hash(&bytes).as_bytes());
+        assert_eq!(auth.tag_of(FrameKind::Data, key, &chunk), expected);
+        let mut changed = bytes.clone();
+        changed[123_456] ^= 0x10;
+        assert_ne!(auth.tag(FrameKind::Data, key, &changed), expected);
+        // Unkeyed, a published chunk's tag is its stored xxh3.
+        let plain = PublishedChunk::new(bytes.into_boxed_slice(), 77);
+        assert_eq!(ChunkAuth::Checksum.tag_of(FrameKind::Data, key, &plain), 77);
     }
 
     #[test]

@@ -427,9 +427,7 @@ impl Client {
                 }
                 let conn = self.conn(p);
                 conn.set_deadline(deadline);
-                let tag =
-                    conn.chunk_auth()
-                        .tag_with(FrameKind::Put, key, &chunk.bytes, chunk.checksum);
+                let tag = conn.chunk_auth().tag_of(FrameKind::Put, key, &chunk);
                 let sent = conn
                     .send_chunk(FrameKind::Put, key, tag, &chunk.bytes, "send PUT")
                     .and_then(|()| recv_end_frame(conn, "receive PUT answer"));

@@ -23,7 +23,9 @@
 //! A chunk's tag (DATA, PUT, each chunk of NIXL_OFFER) is the xxh3-64 of its bytes when the
 //! connection has no shared secret (loopback only); with one, it is the first 8 bytes
 //! (little-endian) of keyed BLAKE3 under the connection's session key over `u8 frame kind | u64
-//! key hash | u32 key group | bytes` (see `auth::ChunkAuth`).
+//! key hash | u32 key group | 32-byte unkeyed BLAKE3 of the bytes` (see `auth::ChunkAuth`). The
+//! digest itself is not sent: the receiver hashes the bytes it received and keys the tag over
+//! that; the sender keeps each chunk's digest, so it tags a send without hashing the bytes.
 //!
 //! A GET is answered by one DATA frame per requested key that the server holds, in request
 //! order, then END; keys without a DATA frame are not held. A NIXL_GET is answered by one NIXL_OFFER:
@@ -42,8 +44,9 @@ use thiserror::Error;
 
 /// The protocol version this crate speaks; a peer with another version is refused. Version 2
 /// added NIXL_GET, NIXL_OFFER and NIXL_DONE; version 3 added PUT; version 4 tags chunks with
-/// the session key when a secret is set, and HELLO carries no namespace then.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// the session key when a secret is set, and HELLO carries no namespace then; version 5 keys
+/// that tag over the payload's BLAKE3 digest instead of the payload (same frame layout).
+pub const PROTOCOL_VERSION: u16 = 5;
 /// The first bytes of every HELLO body.
 pub const MAGIC: [u8; 4] = *b"KVP2";
 /// Bytes of a frame header: body length (4) and kind (1).

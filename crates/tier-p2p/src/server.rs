@@ -399,7 +399,7 @@ fn offer(
         spans.push((addr, len));
         chunks.push(NixlChunk {
             key,
-            checksum: auth.tag_with(FrameKind::NixlOffer, key, &chunk.bytes, chunk.checksum),
+            checksum: auth.tag_of(FrameKind::NixlOffer, key, &chunk),
             addr: addr as u64,
             len: len as u32,
         });
@@ -460,8 +460,10 @@ fn receive_put(shared: &Shared, conn: &mut Conn, body_len: usize) -> Result<bool
     let mut bytes = vec![0u8; body_len - DATA_PREFIX_BYTES].into_boxed_slice();
     conn.read_exact(&mut bytes, "receive PUT payload")?;
     let sum = checksum(&bytes);
+    let chunk = PublishedChunk::new(bytes, sum);
     let auth = conn.chunk_auth();
-    if auth.tag_with(FrameKind::Put, key, &bytes, sum) != tag {
+    // Keyed: hashes the bytes once for the digest, which the chunk keeps for its sends.
+    if auth.tag_of(FrameKind::Put, key, &chunk) != tag {
         shared.counters.tag_failed(auth.is_keyed());
         log(format_args!(
             "peer {} pushed {key:?} with a checksum or MAC mismatch; not stored",
@@ -469,7 +471,7 @@ fn receive_put(shared: &Shared, conn: &mut Conn, body_len: usize) -> Result<bool
         ));
         return Ok(false);
     }
-    let inserted = lock(&shared.store).insert(key, PublishedChunk::new(bytes, sum));
+    let inserted = lock(&shared.store).insert(key, chunk);
     match inserted {
         Ok(evicted) => {
             add(&shared.counters.evictions, evicted as u64);
@@ -487,9 +489,7 @@ fn send_chunks(shared: &Shared, conn: &mut Conn, keys: &[ChunkKey]) -> Result<()
         let Some(chunk) = lock(&shared.store).get(key) else {
             continue;
         };
-        let tag = conn
-            .chunk_auth()
-            .tag_with(FrameKind::Data, key, &chunk.bytes, chunk.checksum);
+        let tag = conn.chunk_auth().tag_of(FrameKind::Data, key, &chunk);
         conn.send_data(key, tag, &chunk.bytes, "send DATA")?;
         sent += 1;
         add(&shared.counters.chunks_served, 1);

@@ -1,6 +1,6 @@
 //! The published-chunk store: the bytes this instance serves to its peers, each with the xxh3
-//! checksum computed when it was published, bounded by a byte capacity with least-recently-used
-//! eviction.
+//! checksum computed when it was published (and, for keyed tags, its BLAKE3 digest), bounded
+//! by a byte capacity with least-recently-used eviction.
 //!
 //! Why a copy and not the host pool's slots: the host pool reuses a slot as soon as its chunk is
 //! evicted, and it does not tell secondary tiers. Serving a slot in place could send a peer the
@@ -9,9 +9,11 @@
 //! intact even if it is evicted meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use offload_core::ChunkKey;
+
+use crate::auth::{digest, DIGEST_BYTES};
 
 /// One published chunk.
 #[derive(Debug)]
@@ -24,6 +26,9 @@ pub(crate) struct PublishedChunk {
     pub(crate) bytes: Box<[u8]>,
     /// xxh3-64 of `bytes`, computed when it was published.
     pub(crate) checksum: u64,
+    /// The unkeyed BLAKE3 of `bytes` that keyed tags bind ([`crate::auth::ChunkAuth`]):
+    /// computed when it was published by an instance with a secret, else on first need.
+    digest: OnceLock<[u8; DIGEST_BYTES]>,
 }
 
 impl PublishedChunk {
@@ -34,7 +39,13 @@ impl PublishedChunk {
             registration: std::sync::OnceLock::new(),
             bytes,
             checksum,
+            digest: OnceLock::new(),
         }
+    }
+
+    /// The unkeyed BLAKE3 digest of its bytes, computed on the first call.
+    pub(crate) fn digest(&self) -> &[u8; DIGEST_BYTES] {
+        self.digest.get_or_init(|| digest(&self.bytes))
     }
 }
 

@@ -173,7 +173,8 @@ pub(crate) fn run_local(
     }
 }
 
-/// Publishes a store job's chunks: copies each slot into the store with its checksum.
+/// Publishes a store job's chunks: copies each slot into the store with its checksum (and, with
+/// a secret, its digest for keyed tags).
 fn publish(
     shared: &Shared,
     memory: &dyn SlotMemory,
@@ -194,6 +195,10 @@ fn publish(
         memory.read_slot(slot, 0, &mut bytes);
         let sum = checksum(&bytes);
         let chunk = PublishedChunk::new(bytes, sum);
+        if shared.config.secret.is_some() {
+            // Keyed tags bind the digest: hash once here, not on every send.
+            chunk.digest();
+        }
         match lock(&shared.store).insert(key, chunk) {
             Ok(evicted) => add(&shared.counters.evictions, evicted as u64),
             Err(TooLarge) => {

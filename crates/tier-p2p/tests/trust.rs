@@ -1,6 +1,7 @@
 //! Peer trust with a shared secret: a man in the middle (a loopback proxy) that swaps a DATA
-//! payload for other bytes and rewrites the unkeyed xxh3 to match cannot get them loaded (the
-//! keyed tag fails, the key fails, `mac_failures` counts it); the same proxy passing bytes
+//! payload for other bytes and rewrites the unkeyed xxh3 to match, flips one payload bit, or
+//! flips one tag bit cannot get them loaded (the keyed tag fails, the key fails,
+//! `mac_failures` counts it); the same proxy passing bytes
 //! through loads normally; and nothing of the namespace goes out in HELLO before the other side
 //! proved the secret.
 
@@ -11,7 +12,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::tier::{SlotMemory, Tier, TierJob, TierLookup, TierOp};
 use offload_core::JobId;
 use tier_p2p::frame::{Frame, FrameKind, DATA_PREFIX_BYTES, HEADER_BYTES, KEY_BYTES};
 use tier_p2p::{P2pConfig, P2pTier};
@@ -31,10 +32,22 @@ fn with_secret(config: &mut P2pConfig) {
     config.fetch_deadline = Duration::from_secs(2);
 }
 
-/// Relays the server's frames to the client; with `tamper`, every DATA payload is inverted and
-/// its checksum field rewritten to the xxh3 of the new bytes (what any path attacker can do to
-/// an unkeyed checksum).
-fn relay_frames(mut from: TcpStream, mut to: TcpStream, tamper: bool) {
+/// What the proxy does to each DATA frame it relays.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Tamper {
+    /// Nothing: an honest path.
+    None,
+    /// Inverts the payload and rewrites the checksum field to the xxh3 of the new bytes (what
+    /// any path attacker can do to an unkeyed checksum).
+    ForgeXxh3,
+    /// Flips one bit of the payload, leaving the tag as sent.
+    Payload,
+    /// Flips one bit of the tag, leaving the payload as sent.
+    Tag,
+}
+
+/// Relays the server's frames to the client, tampering with every DATA frame as `tamper` says.
+fn relay_frames(mut from: TcpStream, mut to: TcpStream, tamper: Tamper) {
     loop {
         let mut header = [0u8; HEADER_BYTES];
         if from.read_exact(&mut header).is_err() {
@@ -45,13 +58,20 @@ fn relay_frames(mut from: TcpStream, mut to: TcpStream, tamper: bool) {
         if from.read_exact(&mut body).is_err() {
             break;
         }
-        if tamper && header[4] == FrameKind::Data as u8 && len > DATA_PREFIX_BYTES {
+        if header[4] == FrameKind::Data as u8 && len > DATA_PREFIX_BYTES {
             let (prefix, payload) = body.split_at_mut(DATA_PREFIX_BYTES);
-            for byte in payload.iter_mut() {
-                *byte = !*byte;
+            match tamper {
+                Tamper::None => {}
+                Tamper::ForgeXxh3 => {
+                    for byte in payload.iter_mut() {
+                        *byte = !*byte;
+                    }
+                    let forged = xxhash_rust::xxh3::xxh3_64(payload);
+                    prefix[KEY_BYTES..].copy_from_slice(&forged.to_le_bytes());
+                }
+                Tamper::Payload => payload[payload.len() / 2] ^= 0x04,
+                Tamper::Tag => prefix[KEY_BYTES + 3] ^= 0x20,
             }
-            let forged = xxhash_rust::xxh3::xxh3_64(payload);
-            prefix[KEY_BYTES..].copy_from_slice(&forged.to_le_bytes());
         }
         if to.write_all(&header).is_err() || to.write_all(&body).is_err() {
             break;
@@ -61,7 +81,7 @@ fn relay_frames(mut from: TcpStream, mut to: TcpStream, tamper: bool) {
 }
 
 /// A loopback proxy to `upstream` (every connection it accepts); returns its address.
-fn proxy(upstream: SocketAddr, tamper: bool) -> SocketAddr {
+fn proxy(upstream: SocketAddr, tamper: Tamper) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind proxy");
     let addr = listener.local_addr().expect("proxy address");
     std::thread::spawn(move || {
@@ -86,7 +106,7 @@ fn proxy(upstream: SocketAddr, tamper: bool) -> SocketAddr {
 
 /// A publisher of chunks 0 and 1 with the secret, and a fetcher with the secret whose only peer
 /// is a proxy to it.
-fn through_proxy(tamper: bool) -> (P2pTier, P2pTier, Arc<dyn SlotMemory>) {
+fn through_proxy(tamper: Tamper) -> (P2pTier, P2pTier, Arc<dyn SlotMemory>) {
     let mut config = common::config(Vec::new());
     with_secret(&mut config);
     let published = memory();
@@ -99,39 +119,61 @@ fn through_proxy(tamper: bool) -> (P2pTier, P2pTier, Arc<dyn SlotMemory>) {
     (a, b, fetched)
 }
 
-#[test]
-fn forged_payload_with_a_matching_xxh3_fails_its_keys() {
-    let (mut a, mut b, memory) = through_proxy(true);
+/// Loads chunks 0 and 1 through a proxy that tampers as `tamper` says, with a secret: both keys
+/// fail, nothing counts as fetched, and each failure counts as a MAC failure.
+fn tampered_chunks_fail_their_keys(tamper: Tamper) {
+    let (mut a, mut b, memory) = through_proxy(tamper);
     assert_eq!(
         common::settle(&mut b, common::key(0), WAIT),
         TierLookup::Hit
     );
     common::submit_load(&mut b, JobId(1), &[0, 1], 0, BYTES);
     let done = common::wait(&mut b, JobId(1), WAIT);
+    let stats = b.stats();
     assert_eq!(
         done.failed,
         vec![common::key(0), common::key(1)],
-        "forged chunks must fail their keys"
+        "{tamper:?}: tampered chunks must fail their keys ({stats:?})"
     );
-    let stats = b.stats();
-    assert_eq!(stats.chunks_fetched, 0, "{stats:?}");
-    assert!(stats.mac_failures >= 2, "{stats:?}");
-    assert!(stats.checksum_mismatches >= stats.mac_failures, "{stats:?}");
-    // The forged bytes are in the slot (received in place) but the key failed: never served.
-    assert!(tier_testkit::first_mismatch(
-        &*memory,
-        offload_core::SlotId(0),
-        BYTES as usize,
-        common::seed(0)
-    )
-    .is_some());
+    assert_eq!(stats.chunks_fetched, 0, "{tamper:?}: {stats:?}");
+    assert!(stats.mac_failures >= 2, "{tamper:?}: {stats:?}");
+    assert!(
+        stats.checksum_mismatches >= stats.mac_failures,
+        "{tamper:?}: {stats:?}"
+    );
+    if tamper != Tamper::Tag {
+        // The tampered bytes are in the slot (received in place) but the key failed: never
+        // served.
+        assert!(tier_testkit::first_mismatch(
+            &*memory,
+            offload_core::SlotId(0),
+            BYTES as usize,
+            common::seed(0)
+        )
+        .is_some());
+    }
     a.shutdown();
     b.shutdown();
 }
 
 #[test]
+fn forged_payload_with_a_matching_xxh3_fails_its_keys() {
+    tampered_chunks_fail_their_keys(Tamper::ForgeXxh3);
+}
+
+#[test]
+fn one_flipped_payload_bit_under_the_sent_tag_fails_its_keys() {
+    tampered_chunks_fail_their_keys(Tamper::Payload);
+}
+
+#[test]
+fn one_flipped_tag_bit_over_the_sent_payload_fails_its_keys() {
+    tampered_chunks_fail_their_keys(Tamper::Tag);
+}
+
+#[test]
 fn honest_proxy_loads_with_a_secret() {
-    let (mut a, mut b, memory) = through_proxy(false);
+    let (mut a, mut b, memory) = through_proxy(Tamper::None);
     assert_eq!(
         common::settle(&mut b, common::key(0), WAIT),
         TierLookup::Hit
@@ -190,4 +232,75 @@ fn hello_carries_no_namespace_with_a_secret() {
     }
     a.shutdown();
     b.shutdown();
+}
+
+#[test]
+fn pushed_chunks_verify_with_a_secret_and_load_byte_identical() {
+    // A pushes each chunk to its one owner among B and C (PUT, tagged over its digest); B then
+    // loads all of them (its own pushed copies locally, the rest from A or C, which serves a
+    // chunk it received by PUT) with every tag verified.
+    let addrs: Vec<SocketAddr> = (0..3)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect::<Vec<_>>()
+        .iter()
+        .map(|l| l.local_addr().expect("address"))
+        .collect();
+    let mut tiers: Vec<(P2pTier, Arc<dyn SlotMemory>)> = addrs
+        .iter()
+        .map(|&listen| {
+            let mut config = common::config(addrs.clone());
+            config.listen = listen;
+            config.owners = 1;
+            with_secret(&mut config);
+            let memory = memory();
+            let tier = P2pTier::new(config, Arc::clone(&memory)).expect("tier starts");
+            (tier, memory)
+        })
+        .collect();
+    // Chunks no other test here loads: a push that reached another test's instance (a freed
+    // port taken again) could not stand in for the bytes that test expects.
+    let indices = [40, 41, 42, 43];
+    let (a, published) = &mut tiers[0];
+    let chunks = indices
+        .iter()
+        .enumerate()
+        .map(|(n, &i)| {
+            let slot = offload_core::SlotId(n as u32);
+            tier_testkit::fill_slot(&**published, slot, BYTES as usize, common::seed(i));
+            (common::key(i), slot, BYTES)
+        })
+        .collect();
+    a.submit(TierJob {
+        id: JobId(7),
+        request: None,
+        op: TierOp::Store,
+        chunks,
+    })
+    .expect("publish accepted");
+    let done = common::wait(a, JobId(7), WAIT);
+    assert!(done.is_success(), "{done:?}");
+    common::eventually("every chunk pushed to its owner", WAIT, || {
+        tiers[0].0.stats().chunks_pushed == 4
+    });
+    let received: u64 = tiers.iter().map(|(t, _)| t.stats().chunks_received).sum();
+    assert_eq!(received, 4);
+    assert_eq!(tiers[0].0.stats().push_failures, 0);
+    let (b, fetched) = &mut tiers[1];
+    for i in indices {
+        assert_eq!(
+            common::settle(b, common::key(i), WAIT),
+            TierLookup::Hit,
+            "chunk {i}"
+        );
+    }
+    common::submit_load(b, JobId(1), &indices, 0, BYTES);
+    let done = common::wait(b, JobId(1), WAIT);
+    assert!(done.is_success(), "{done:?}");
+    common::expect_loaded(&**fetched, &indices, 0, BYTES);
+    for (tier, _) in &tiers {
+        assert_eq!(tier.stats().mac_failures, 0);
+    }
+    for (tier, _) in &mut tiers {
+        tier.shutdown();
+    }
 }
