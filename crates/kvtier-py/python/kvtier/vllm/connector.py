@@ -17,7 +17,7 @@ What runs where: the scheduler side is offload-core's request state machine over
 manager (host pool plus secondary tiers), native; the worker side copies between vLLM's KV cache
 tensors and the host pool with kvtier's memcpy threads (tier-gpu's host path), native, reading the
 tensors in place (`data_ptr`), never through Python. vLLM's `str` request ids become numbers and
-its `bytes` block hashes the xxh3-64 of their bytes (as `kvtier.vllm.tiers` keys chunks); the
+its `bytes` block hashes the xxh3-128 of their bytes (as `kvtier.vllm.tiers` keys chunks); the
 per-step metadata and the workers' acknowledgements cross as bytes (offload-core's JSON).
 
 Lifecycle, as offload-core's contract says: a request with stores still to build or in flight
@@ -74,7 +74,7 @@ from .._kvtier import (
     ConnectorScheduler,
     ConnectorWorker,
     HostPool,
-    block_hashes_to_u64,
+    block_hashes_to_u128,
     resolve_connector_config,
 )
 
@@ -679,7 +679,7 @@ class _SchedulerSide:
         raw = request.block_hashes
         if len(raw) > len(done):
             new = list(raw[len(done):])
-            nums = block_hashes_to_u64(new)
+            nums = block_hashes_to_u128(new)
             done.extend(nums)
             if self.events_on:
                 for h, b in zip(nums, new):
