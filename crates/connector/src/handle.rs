@@ -69,7 +69,7 @@ impl<M: AsTiering> SchedulerHandle<M> {
         &mut self,
         id: RequestId,
         num_tokens: u32,
-        block_hashes: &[u64],
+        block_hashes: &[u128],
         num_computed_tokens: u32,
     ) -> MatchResult {
         self.scheduler

@@ -36,7 +36,7 @@
 //! ));
 //! let mut scheduler: SchedulerHandle = resolved.build_scheduler(memory, true)?;
 //! scheduler.on_new_request(NewRequest { id: RequestId(1), prompt_tokens: 100, max_offload_tokens: None });
-//! let hashes: Vec<u64> = (1..=6).collect();
+//! let hashes: Vec<u128> = (1..=6).collect();
 //! assert_eq!(
 //!     scheduler.get_num_new_matched_tokens(RequestId(1), 100, &hashes, 0),
 //!     MatchResult::Tokens(0)

@@ -16,7 +16,7 @@ use tier_testkit::{fill_slot, read_slot_vec, FakeTier, FakeTierConfig, VecSlotMe
 const SLOT_BYTES: usize = 64;
 
 fn key(n: u64) -> ChunkKey {
-    ChunkKey::new(n, 0)
+    ChunkKey::new(u128::from(n), 0)
 }
 
 struct Fixture {
@@ -94,7 +94,7 @@ fn store(f: &mut Fixture, request: RequestId, keys: &[ChunkKey]) -> Vec<SlotId> 
         .prepare_store(keys, request, &mut prepared)
         .expect("room");
     for (k, s) in prepared.keys.iter().zip(&prepared.slots) {
-        fill_slot(f.memory.as_ref(), *s, SLOT_BYTES, k.hash);
+        fill_slot(f.memory.as_ref(), *s, SLOT_BYTES, k.hash_low());
     }
     f.manager.complete_store(&prepared.keys, true);
     prepared.slots
@@ -741,7 +741,7 @@ fn a_prefix_larger_than_the_host_pool_loads_what_fits_instead_of_waiting_forever
         let slot = f.manager.host().slot_of(k).expect("present");
         assert_eq!(
             read_slot_vec(f.memory.as_ref(), slot, SLOT_BYTES),
-            tier_testkit::pattern(k.hash, SLOT_BYTES)
+            tier_testkit::pattern(k.hash_low(), SLOT_BYTES)
         );
     }
     assert!(

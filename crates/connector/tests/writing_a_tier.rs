@@ -397,7 +397,7 @@ fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_b
         .prepare_store(&keys, RequestId(1), &mut prepared)
         .expect("room");
     for (key, slot) in prepared.keys.iter().zip(&prepared.slots) {
-        fill_slot(memory.as_ref(), *slot, slot_bytes, key.hash);
+        fill_slot(memory.as_ref(), *slot, slot_bytes, key.hash_low());
     }
     manager.complete_store(&prepared.keys, true);
     manager.on_request_finished(RequestId(1));
@@ -435,7 +435,7 @@ fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_b
     );
     for &key in &keys {
         let slot = manager.host().slot_of(key).expect("promoted");
-        let differs = first_mismatch(memory.as_ref(), slot, slot_bytes, key.hash);
+        let differs = first_mismatch(memory.as_ref(), slot, slot_bytes, key.hash_low());
         assert_eq!(
             differs, None,
             "bytes of {key:?} after the round trip through the memory tier (first differing offset)"

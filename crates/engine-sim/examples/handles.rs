@@ -92,7 +92,7 @@ impl Engine {
     }
 }
 
-fn hashes(chain: &TokenChain) -> Vec<u64> {
+fn hashes(chain: &TokenChain) -> Vec<u128> {
     let mut out = Vec::new();
     chain.extend_block_hashes(TPB, chain.len(), &mut out);
     out

@@ -29,7 +29,7 @@ pub trait EngineConnector {
         &mut self,
         id: RequestId,
         num_tokens: u32,
-        block_hashes: &[u64],
+        block_hashes: &[u128],
         num_computed_tokens: u32,
     ) -> MatchResult;
     /// The request's whole block table was allocated.
@@ -68,7 +68,7 @@ impl<M: OffloadManager> EngineConnector for KvScheduler<M> {
         &mut self,
         id: RequestId,
         num_tokens: u32,
-        block_hashes: &[u64],
+        block_hashes: &[u128],
         num_computed_tokens: u32,
     ) -> MatchResult {
         Scheduler::get_num_new_matched_tokens(
@@ -131,7 +131,7 @@ impl<M: AsTiering> EngineConnector for KvHandle<M> {
         &mut self,
         id: RequestId,
         num_tokens: u32,
-        block_hashes: &[u64],
+        block_hashes: &[u128],
         num_computed_tokens: u32,
     ) -> MatchResult {
         SchedulerHandle::get_num_new_matched_tokens(
@@ -201,7 +201,7 @@ impl EngineConnector for NullConnector {
         &mut self,
         _: RequestId,
         _: u32,
-        _: &[u64],
+        _: &[u128],
         _: u32,
     ) -> MatchResult {
         MatchResult::Tokens(0)

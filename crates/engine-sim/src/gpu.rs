@@ -123,8 +123,8 @@ impl FreeQueue {
 #[derive(Clone, Debug)]
 pub struct BlockPool {
     ref_count: Vec<u32>,
-    hash_of: Vec<Option<u64>>,
-    cached: HashMap<u64, u32>,
+    hash_of: Vec<Option<u128>>,
+    cached: HashMap<u128, u32>,
     free: FreeQueue,
 }
 
@@ -155,7 +155,7 @@ impl BlockPool {
     }
 
     /// The hash under which a block is in the prefix cache, if it is.
-    pub fn cached_hash(&self, block: BlockId) -> Option<u64> {
+    pub fn cached_hash(&self, block: BlockId) -> Option<u128> {
         self.hash_of[block.0 as usize]
     }
 
@@ -165,7 +165,7 @@ impl BlockPool {
     }
 
     /// The longest run of cached blocks for `hashes`, from the first (no references taken).
-    pub fn find_cached_prefix(&self, hashes: &[u64], out: &mut Vec<BlockId>) {
+    pub fn find_cached_prefix(&self, hashes: &[u128], out: &mut Vec<BlockId>) {
         out.clear();
         for h in hashes {
             let Some(&b) = self.cached.get(h) else { break };
@@ -228,7 +228,7 @@ impl BlockPool {
 
     /// Puts a full block into the prefix cache under `hash`, unless it is cached already or
     /// another block holds that hash.
-    pub fn cache(&mut self, block: BlockId, hash: u64) {
+    pub fn cache(&mut self, block: BlockId, hash: u128) {
         if self.hash_of[block.0 as usize].is_some() || self.cached.contains_key(&hash) {
             return;
         }

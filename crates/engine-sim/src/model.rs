@@ -18,6 +18,15 @@ pub const VOCAB: u64 = 50_000;
 const PREFIX_SALT: u64 = 0x5052_4546_4958_0000;
 const UNIQUE_SALT: u64 = 0x554E_4951_5545_0000;
 const SAMPLE_SALT: u64 = 0x5341_4D50_4C45_0000;
+const WIDE_SALT: u64 = 0x5749_4445_4B45_5900;
+
+/// The 128-bit engine block hash (a chunk key's hash) of a block whose last token has chain hash
+/// `chain`: the chain hash in the low half, an independent mix of it in the high half. The
+/// simulator's chain is 64-bit (it seeds the tokens' KV bytes); widening it fills every bit of
+/// the keys, so all of kvtier's 128-bit paths carry distinct high halves.
+pub const fn block_key_hash(chain: u64) -> u128 {
+    ((mix64(chain ^ WIDE_SALT) as u128) << 64) | chain as u128
+}
 
 /// The prefix hash of a prefix with hash `prev` extended by `token`.
 pub const fn mix_token(prev: u64, token: u32) -> u64 {
@@ -85,17 +94,19 @@ impl TokenChain {
 
     /// Chained hash of engine block `j` (blocks of `tokens_per_block`), if the block is full
     /// within the first `known` tokens.
-    pub fn block_hash(&self, j: u32, tokens_per_block: u32, known: u32) -> Option<u64> {
+    pub fn block_hash(&self, j: u32, tokens_per_block: u32, known: u32) -> Option<u128> {
         let last = (j + 1).checked_mul(tokens_per_block)?;
-        (last <= known.min(self.len())).then(|| self.hashes[last as usize - 1])
+        (last <= known.min(self.len())).then(|| block_key_hash(self.hashes[last as usize - 1]))
     }
 
     /// Hashes of the full blocks within the first `known` tokens, appended to `out` from block
     /// `out.len()` on (so a cached list can be extended as tokens become known).
-    pub fn extend_block_hashes(&self, tokens_per_block: u32, known: u32, out: &mut Vec<u64>) {
+    pub fn extend_block_hashes(&self, tokens_per_block: u32, known: u32, out: &mut Vec<u128>) {
         let full = known.min(self.len()) / tokens_per_block;
         for j in out.len() as u32..full {
-            out.push(self.hashes[((j + 1) * tokens_per_block - 1) as usize]);
+            out.push(block_key_hash(
+                self.hashes[((j + 1) * tokens_per_block - 1) as usize],
+            ));
         }
     }
 
@@ -235,8 +246,9 @@ mod tests {
         let chain = TokenChain::new(&toks);
         let h0 = chain.block_hash(0, 4, 12).unwrap();
         let h1 = chain.block_hash(1, 4, 12).unwrap();
-        let manual = toks[4..8].iter().fold(h0, |h, &t| mix_token(h, t));
-        assert_eq!(h1, manual);
+        let manual = toks[4..8].iter().fold(h0 as u64, |h, &t| mix_token(h, t));
+        assert_eq!(h1, block_key_hash(manual));
+        assert_ne!(h1 >> 64, 0, "the high half is filled");
         assert_eq!(
             chain.block_hash(2, 4, 11),
             None,

@@ -17,7 +17,7 @@ pub fn reusable_tokens(workload: &Workload, tokens_per_block: u32) -> Vec<u32> {
     let requests = &workload.requests;
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by_key(|&i| (requests[i].arrival_step, i));
-    let mut seen: HashSet<u64> = HashSet::new();
+    let mut seen: HashSet<u128> = HashSet::new();
     let mut out = vec![0; requests.len()];
     let mut hashes = Vec::new();
     for i in order {

@@ -376,7 +376,7 @@ mod tests {
     }
 
     /// Block hashes of a prompt for an engine with `tpb` tokens per block.
-    fn block_hashes(tokens: &[u32], tpb: u32) -> Vec<u64> {
+    fn block_hashes(tokens: &[u32], tpb: u32) -> Vec<u128> {
         let chain = TokenChain::new(tokens);
         let mut out = Vec::new();
         chain.extend_block_hashes(tpb, chain.len(), &mut out);

@@ -24,8 +24,8 @@ enum Op {
 struct Model {
     refs: Vec<u32>,
     free: VecDeque<u32>,
-    cached: HashMap<u64, u32>,
-    hash_of: Vec<Option<u64>>,
+    cached: HashMap<u128, u32>,
+    hash_of: Vec<Option<u128>>,
 }
 
 impl Model {
@@ -68,14 +68,14 @@ impl Model {
             self.refs[b as usize] += 1;
         }
     }
-    fn cache(&mut self, b: u32, h: u64) {
+    fn cache(&mut self, b: u32, h: u128) {
         if self.hash_of[b as usize].is_some() || self.cached.contains_key(&h) {
             return;
         }
         self.cached.insert(h, b);
         self.hash_of[b as usize] = Some(h);
     }
-    fn prefix(&self, hashes: &[u64]) -> Vec<u32> {
+    fn prefix(&self, hashes: &[u128]) -> Vec<u32> {
         hashes
             .iter()
             .map_while(|h| self.cached.get(h).copied())
@@ -96,8 +96,10 @@ fn ids(v: &[u32]) -> Vec<BlockId> {
     v.iter().map(|&b| BlockId(b)).collect()
 }
 
-fn hashes(salt: u64, len: usize) -> Vec<u64> {
-    (0..len as u64).map(|j| salt * 1000 + j).collect()
+fn hashes(salt: u64, len: usize) -> Vec<u128> {
+    (0..len as u128)
+        .map(|j| u128::from(salt) * 1000 + j)
+        .collect()
 }
 
 proptest! {

@@ -40,7 +40,7 @@ impl EngineConnector for Mutant {
         &mut self,
         id: RequestId,
         n: u32,
-        h: &[u64],
+        h: &[u128],
         c: u32,
     ) -> MatchResult {
         EngineConnector::get_num_new_matched_tokens(&mut self.inner, id, n, h, c)

@@ -4,10 +4,10 @@
 //! transfer engine, or its CUDA engine for KV caches on a GPU), with a host pool both share.
 //!
 //! Everything crosses as plain values: request ids as `u64` (the Python half maps vLLM's `str`
-//! ids), block hashes as `u64` (the xxh3-64 of vLLM's hash bytes, as the tiers' keys), block ids
-//! as `u32`, compute streams as raw handles, and the per-step metadata and the workers' outputs
-//! as JSON bytes (offload-core's `ConnectorMeta` and `WorkerOutput`, which serialize because
-//! workers may live elsewhere).
+//! ids), block hashes as `u128` (the xxh3-128 of vLLM's hash bytes, as the tiers' keys), block
+//! ids as `u32`, compute streams as raw handles, and the per-step metadata and the workers'
+//! outputs as JSON bytes (offload-core's `ConnectorMeta` and `WorkerOutput`, which serialize
+//! because workers may live elsewhere).
 //!
 //! Layout: the host pool is an anonymous mapping of this process (the scheduler side, whose
 //! tiers read and write it, and the worker side, whose copies fill it, in one process: vLLM's
@@ -156,19 +156,16 @@ pub fn resolve_connector_config<'py>(
     Ok(d)
 }
 
-/// vLLM block hashes (bytes) as kvtier's 64-bit block hashes: the xxh3-64 of each, as the tiers
-/// key chunks (`offload_key_to_chunk_key`).
+/// vLLM block hashes (bytes) as kvtier's 128-bit block hashes: the xxh3-128 of each, as the
+/// tiers key chunks (`offload_key_to_chunk_key`).
 #[pyfunction]
-pub fn block_hashes_to_u64(hashes: Vec<Vec<u8>>) -> Vec<u64> {
-    hashes
-        .iter()
-        .map(|h| twox_hash::XxHash3_64::oneshot(h))
-        .collect()
+pub fn block_hashes_to_u128(hashes: Vec<Vec<u8>>) -> Vec<u128> {
+    hashes.iter().map(|h| crate::key_hash(h)).collect()
 }
 
 /// A request scheduled in one step, as the Python half passes it: `(id, num_computed_tokens,
 /// num_scheduled_tokens, num_tokens, new_block_ids, replace_blocks, block_hashes)`.
-type ScheduledTuple = (u64, u32, u32, u32, Vec<u32>, bool, Vec<u64>);
+type ScheduledTuple = (u64, u32, u32, u32, Vec<u32>, bool, Vec<u128>);
 
 /// kvtier's scheduler side: offload-core's request state machine over the tiering manager (host
 /// pool plus the configured secondary tiers).
@@ -233,7 +230,7 @@ impl PyConnectorScheduler {
         &self,
         id: u64,
         num_tokens: u32,
-        block_hashes: Vec<u64>,
+        block_hashes: Vec<u128>,
         num_computed_tokens: u32,
     ) -> Option<u32> {
         match locked(&self.handle).get_num_new_matched_tokens(
@@ -319,7 +316,7 @@ impl PyConnectorScheduler {
         aborted: bool,
         num_tokens: u32,
         num_computed_tokens: u32,
-        block_hashes: Vec<u64>,
+        block_hashes: Vec<u128>,
     ) -> bool {
         locked(&self.handle).request_finished(&FinishedRequest {
             id: RequestId(id),
@@ -350,7 +347,7 @@ impl PyConnectorScheduler {
 
     /// KV events since the last call: `[(stored, medium, tier, hash, group)]`, `stored` false
     /// for a removal, in the order they happened.
-    fn take_events(&self) -> Vec<(bool, &'static str, String, u64, u32)> {
+    fn take_events(&self) -> Vec<(bool, &'static str, String, u128, u32)> {
         let mut events = Vec::new();
         locked(&self.handle).take_tier_events(&mut events);
         events

@@ -7,7 +7,7 @@
 //! configuration into these.
 //!
 //! Keys cross as vLLM `OffloadKey`s (`block_hash + group.to_bytes(4, "big")`): the chunk key's
-//! hash is the xxh3-64 of the block-hash bytes, its group the last four bytes. A job crosses as
+//! hash is the xxh3-128 of the block-hash bytes, its group the last four bytes. A job crosses as
 //! `(job_id, op, keys, slots)`; its completion comes back from `poll` as `(job_id, failed)`,
 //! `failed` being the positions of the keys that did not transfer (empty on success).
 //!
@@ -98,6 +98,13 @@ impl SlotMemory for BufferMemory {
     }
 }
 
+/// The 128-bit key hash of a vLLM block hash (its bytes, of any length): their xxh3-128. Not
+/// the first 16 bytes, which would make two hashes that differ only after them one key; xxh3-128
+/// takes every byte, whatever the engine's hash function and length.
+pub(crate) fn key_hash(block_hash: &[u8]) -> u128 {
+    twox_hash::XxHash3_128::oneshot(block_hash)
+}
+
 /// The chunk key of a vLLM `OffloadKey` (block hash bytes, then the group as 4 big-endian bytes).
 fn chunk_key(key: &[u8]) -> PyResult<ChunkKey> {
     if key.len() < 5 {
@@ -108,12 +115,12 @@ fn chunk_key(key: &[u8]) -> PyResult<ChunkKey> {
     }
     let (hash, group) = key.split_at(key.len() - 4);
     let group = u32::from_be_bytes(group.try_into().expect("4 bytes"));
-    Ok(ChunkKey::new(twox_hash::XxHash3_64::oneshot(hash), group))
+    Ok(ChunkKey::new(key_hash(hash), group))
 }
 
-/// `chunk_key` as Python sees it: `(hash, group)`.
+/// `chunk_key` as Python sees it: `(hash, group)`, the hash a 128-bit int.
 #[pyfunction]
-fn offload_key_to_chunk_key(key: &[u8]) -> PyResult<(u64, u32)> {
+fn offload_key_to_chunk_key(key: &[u8]) -> PyResult<(u128, u32)> {
     let k = chunk_key(key)?;
     Ok((k.hash, k.group))
 }
@@ -558,7 +565,7 @@ impl PyTier {
     /// Chunks that left the tier since the last call (evicted, or dropped as unreadable), as
     /// `(hash, group)` chunk keys, oldest first, and how many removals went unreported because
     /// too many waited. Only the fs tier evicts by itself; the p2p tier reports none.
-    fn take_removed(&self) -> (Vec<(u64, u32)>, u64) {
+    fn take_removed(&self) -> (Vec<(u128, u32)>, u64) {
         match &lock(&self.state).tier {
             Inner::Fs(t) => {
                 let mut keys = Vec::new();
@@ -712,7 +719,7 @@ fn _kvtier(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::PyConnectorScheduler>()?;
     m.add_class::<connector::PyConnectorWorker>()?;
     m.add_function(wrap_pyfunction!(connector::resolve_connector_config, m)?)?;
-    m.add_function(wrap_pyfunction!(connector::block_hashes_to_u64, m)?)?;
+    m.add_function(wrap_pyfunction!(connector::block_hashes_to_u128, m)?)?;
     m.add_function(wrap_pyfunction!(connector::cuda_unavailable_reason, m)?)?;
     m.add_function(wrap_pyfunction!(offload_key_to_chunk_key, m)?)?;
     m.add("REPEAT_WINDOW_S", REPEAT_WINDOW.as_secs_f64())?;

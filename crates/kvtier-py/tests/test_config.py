@@ -110,3 +110,25 @@ def test_offload_key_mapping():
     assert offload_key_to_chunk_key(bytes(32) + bytes(4))[0] != hash_
     with pytest.raises(ValueError, match="4-byte group"):
         offload_key_to_chunk_key(b"abc")
+
+
+def test_offload_keys_are_128_bit_and_collision_free_on_a_sample():
+    # vLLM's block hashes: 32 random bytes (sha256), and structured ones that a prefix of the
+    # bytes would confuse: equal in their first 16 bytes, or in their first 8, and other lengths.
+    import hashlib
+
+    from kvtier._kvtier import block_hashes_to_u128
+
+    hashes = [hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(50_000)]
+    hashes += [bytes(16) + i.to_bytes(16, "little") for i in range(1, 10_001)]
+    hashes += [bytes(8) + i.to_bytes(8, "little") for i in range(1, 10_001)]
+    hashes += [bytes(n) for n in range(1, 65)]
+    assert len(set(hashes)) == len(hashes)
+    keys = [offload_key_to_chunk_key(h + (0).to_bytes(4, "big"))[0] for h in hashes]
+    assert len(set(keys)) == len(keys), "two distinct block hashes became one key"
+    assert all(0 <= k < 1 << 128 for k in keys)
+    # Half the keys have the top bit set: the high 64 bits are used, not zero.
+    high = sum(k >> 127 for k in keys)
+    assert abs(high - len(keys) / 2) < 0.02 * len(keys), high
+    # The connector's scheduler side maps block hashes the same way.
+    assert block_hashes_to_u128(hashes[:1000]) == keys[:1000]

@@ -48,7 +48,7 @@ impl ManagerTrace {
         for r in records {
             trace
                 .keys
-                .extend(r.hash_ids.iter().map(|&h| ChunkKey::new(h, 0)));
+                .extend(r.hash_ids.iter().map(|&h| ChunkKey::new(u128::from(h), 0)));
             trace.starts.push(trace.keys.len());
         }
         trace

@@ -57,7 +57,7 @@ pub enum CoreError {
     #[error("chunk {hash:#x}/{group} is not {expected}")]
     BadKeyState {
         /// The key's hash.
-        hash: u64,
+        hash: u128,
         /// The key's group.
         group: u32,
         /// The state the operation needed.

@@ -98,7 +98,7 @@ mod tests {
                 request: RequestId(9),
                 kind: JobKind::Load,
                 transfers: vec![Transfer {
-                    key: ChunkKey::new(u64::MAX, 1),
+                    key: ChunkKey::new(u128::MAX, 1),
                     slot: SlotId(2),
                     first_block_in_chunk: 1,
                     gpu_blocks: vec![BlockId(10), BlockId(11)],

@@ -5,8 +5,13 @@
 //! aligned offset. Pure code: no I/O.
 //!
 //! Header (little-endian): magic `KVTIERFS` (8 bytes), format version (u32), header length
-//! (u32), key hash (u64), key group (u32), record kind (u32), body length (u64), xxh3-64 of
-//! the body (u64), xxh3-64 of the 48 bytes before it (u64); zeros up to [`HEADER_BYTES`].
+//! (u32), key hash (u128), key group (u32), record kind (u32), body length (u64), xxh3-64 of
+//! the body (u64), xxh3-64 of the 56 bytes before it (u64); zeros up to [`HEADER_BYTES`].
+//!
+//! Version 3 (128-bit keys) replaced version 2 (64-bit keys, every field after the hash 8 bytes
+//! earlier). A record of any other version, version 2 included, fails to decode with
+//! [`FormatError::BadVersion`] and is never served: a 64-bit key cannot be widened to the
+//! 128-bit key the engine now asks for.
 //!
 //! Record kinds ([`RecordKind`]): a chunk (the body is the payload), a skip record (the body is
 //! dead space left by a failed write or a quarantined chunk; readers step over it), and the seal
@@ -22,9 +27,9 @@ pub const HEADER_BYTES: usize = ALIGN;
 /// The magic at the start of every record.
 pub const MAGIC: [u8; 8] = *b"KVTIERFS";
 /// The format version written (and the only one read).
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// Bytes of the header that carry fields (the rest is zero).
-const FIELDS_BYTES: usize = 56;
+const FIELDS_BYTES: usize = 64;
 
 /// What a record holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,7 +125,11 @@ impl std::fmt::Display for FormatError {
                 write!(f, "truncated: {have} bytes, {need} needed")
             }
             FormatError::BadMagic => write!(f, "bad magic"),
-            FormatError::BadVersion(v) => write!(f, "unknown format version {v}"),
+            FormatError::BadVersion(v) => write!(
+                f,
+                "format version {v}, not {FORMAT_VERSION} (written by another kvtier version: {}); not served",
+                if *v < FORMAT_VERSION { "older, 64-bit keys" } else { "newer" }
+            ),
             FormatError::BadHeaderChecksum => write!(f, "header checksum mismatch"),
             FormatError::WrongKey(key) => {
                 write!(f, "header names key {:#x}/{}", key.hash, key.group)
@@ -194,13 +203,13 @@ impl Header {
         out[0..8].copy_from_slice(&MAGIC);
         out[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
         out[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
-        out[16..24].copy_from_slice(&self.key.hash.to_le_bytes());
-        out[24..28].copy_from_slice(&self.key.group.to_le_bytes());
-        out[28..32].copy_from_slice(&self.kind.code().to_le_bytes());
-        out[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
-        out[40..48].copy_from_slice(&self.checksum.to_le_bytes());
-        let own = xxh3_64(&out[0..48]);
-        out[48..56].copy_from_slice(&own.to_le_bytes());
+        out[16..32].copy_from_slice(&self.key.hash.to_le_bytes());
+        out[32..36].copy_from_slice(&self.key.group.to_le_bytes());
+        out[36..40].copy_from_slice(&self.kind.code().to_le_bytes());
+        out[40..48].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[48..56].copy_from_slice(&self.checksum.to_le_bytes());
+        let own = xxh3_64(&out[0..56]);
+        out[56..64].copy_from_slice(&own.to_le_bytes());
     }
 
     /// Reads a header from the start of `bytes`, checking magic, version and its own checksum.
@@ -219,18 +228,18 @@ impl Header {
         if version != FORMAT_VERSION {
             return Err(FormatError::BadVersion(version));
         }
-        if u64_at(fields, 48) != xxh3_64(&fields[0..48]) {
+        if u64_at(fields, 56) != xxh3_64(&fields[0..56]) {
             return Err(FormatError::BadHeaderChecksum);
         }
         if u32_at(fields, 12) as usize != HEADER_BYTES {
             return Err(FormatError::BadMagic);
         }
-        let kind = RecordKind::from_code(u32_at(fields, 28)).ok_or(FormatError::BadMagic)?;
+        let kind = RecordKind::from_code(u32_at(fields, 36)).ok_or(FormatError::BadMagic)?;
         Ok(Self {
             kind,
-            key: ChunkKey::new(u64_at(fields, 16), u32_at(fields, 24)),
-            payload_len: u64_at(fields, 32),
-            checksum: u64_at(fields, 40),
+            key: ChunkKey::new(u128_at(fields, 16), u32_at(fields, 32)),
+            payload_len: u64_at(fields, 40),
+            checksum: u64_at(fields, 48),
         })
     }
 }
@@ -245,6 +254,12 @@ fn u64_at(bytes: &[u8], at: usize) -> u64 {
     let mut raw = [0u8; 8];
     raw.copy_from_slice(&bytes[at..at + 8]);
     u64::from_le_bytes(raw)
+}
+
+fn u128_at(bytes: &[u8], at: usize) -> u128 {
+    let mut raw = [0u8; 16];
+    raw.copy_from_slice(&bytes[at..at + 16]);
+    u128::from_le_bytes(raw)
 }
 
 /// Writes the record image of `key`'s chunk into `out`: the header, then the payload copied by
@@ -458,29 +473,108 @@ mod tests {
         assert_eq!(file.len(), HEADER_BYTES);
         assert_eq!(verify(&file, key, 0), Ok(&[][..]));
     }
-    /// The layout, spelled out field by field (format version 2): tier-fs's files and tier-obj's
+    /// The layout, spelled out field by field (format version 3): tier-fs's files and tier-obj's
     /// objects on disk and in buckets depend on it.
     #[test]
-    fn layout_is_tier_fs_format_version_2() {
-        let key = ChunkKey::new(0x0123_4567_89AB_CDEF, 7);
+    fn layout_is_tier_fs_format_version_3() {
+        let key = ChunkKey::new(0xF0E1_D2C3_B4A5_9687_0123_4567_89AB_CDEF, 7);
         let payload: Vec<u8> = (0..5000u32).map(|i| (i * 31) as u8).collect();
         let file = image(key, &payload);
         assert_eq!(file.len(), 4096 + 8192);
         assert_eq!(&file[0..8], b"KVTIERFS");
-        assert_eq!(file[8..12], 2u32.to_le_bytes());
+        assert_eq!(file[8..12], 3u32.to_le_bytes());
         assert_eq!(file[12..16], 4096u32.to_le_bytes());
-        assert_eq!(file[16..24], key.hash.to_le_bytes());
-        assert_eq!(file[24..28], 7u32.to_le_bytes());
-        assert_eq!(file[28..32], 0u32.to_le_bytes(), "kind: chunk");
-        assert_eq!(file[32..40], 5000u64.to_le_bytes());
+        assert_eq!(
+            file[16..24],
+            0x0123_4567_89AB_CDEFu64.to_le_bytes(),
+            "hash, low half"
+        );
+        assert_eq!(
+            file[24..32],
+            0xF0E1_D2C3_B4A5_9687u64.to_le_bytes(),
+            "hash, high half"
+        );
+        assert_eq!(file[32..36], 7u32.to_le_bytes());
+        assert_eq!(file[36..40], 0u32.to_le_bytes(), "kind: chunk");
+        assert_eq!(file[40..48], 5000u64.to_le_bytes());
         let sum = twox_hash::XxHash3_64::oneshot(&payload);
-        assert_eq!(file[40..48], sum.to_le_bytes());
-        let own = twox_hash::XxHash3_64::oneshot(&file[0..48]);
-        assert_eq!(file[48..56], own.to_le_bytes());
-        assert!(file[56..4096].iter().all(|&b| b == 0));
+        assert_eq!(file[48..56], sum.to_le_bytes());
+        let own = twox_hash::XxHash3_64::oneshot(&file[0..56]);
+        assert_eq!(file[56..64], own.to_le_bytes());
+        assert!(file[64..4096].iter().all(|&b| b == 0));
         assert_eq!(&file[4096..9096], &payload[..]);
         assert!(file[9096..].iter().all(|&b| b == 0));
         // xxh3-64 (seed 0) of the empty input, its published value: the hash itself is pinned too.
         assert_eq!(xxh3_64(b""), 0x2D06_8005_38D3_94C2);
+    }
+
+    /// A record of format version 2 (64-bit keys), as the previous kvtier wrote it, header
+    /// checksum and all: refused by its version, whichever key is asked for.
+    pub(crate) fn version_2_image(hash: u64, group: u32, payload: &[u8]) -> Vec<u8> {
+        let mut file = vec![0u8; file_bytes(payload.len() as u64) as usize];
+        file[0..8].copy_from_slice(b"KVTIERFS");
+        file[8..12].copy_from_slice(&2u32.to_le_bytes());
+        file[12..16].copy_from_slice(&4096u32.to_le_bytes());
+        file[16..24].copy_from_slice(&hash.to_le_bytes());
+        file[24..28].copy_from_slice(&group.to_le_bytes());
+        file[28..32].copy_from_slice(&0u32.to_le_bytes());
+        file[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        file[40..48].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+        let own = xxh3_64(&file[0..48]);
+        file[48..56].copy_from_slice(&own.to_le_bytes());
+        file[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(payload);
+        file
+    }
+
+    #[test]
+    fn version_2_records_are_refused_by_version() {
+        let payload = vec![9u8; 5000];
+        let file = version_2_image(0xABCD, 1, &payload);
+        assert_eq!(Header::decode(&file), Err(FormatError::BadVersion(2)));
+        for key in [ChunkKey::new(0xABCD, 1), ChunkKey::new(0, 0)] {
+            assert_eq!(verify(&file, key, 5000), Err(FormatError::BadVersion(2)));
+        }
+        let (header, body) = file.split_at(HEADER_BYTES);
+        assert_eq!(
+            verify_parts(header, body, ChunkKey::new(0xABCD, 1), 5000),
+            Err(FormatError::BadVersion(2))
+        );
+        assert!(FormatError::BadVersion(2).is_corruption());
+        let text = FormatError::BadVersion(2).to_string();
+        assert!(
+            text.contains("format version 2, not 3") && text.contains("64-bit keys"),
+            "{text}"
+        );
+    }
+
+    proptest::proptest! {
+        /// Every key (all 128 bits of the hash, any group), kind and length survives a header's
+        /// encode and decode, and a whole record verifies under its key and under no key that
+        /// differs from it in a single bit.
+        #[test]
+        fn header_round_trips_every_key(
+            hash: u128,
+            group: u32,
+            payload_len in 0u64..(1 << 40),
+            checksum: u64,
+            flip in 0u32..160,
+            kind_code in 0u32..3,
+        ) {
+            let key = ChunkKey::new(hash, group);
+            let kind = RecordKind::from_code(kind_code).unwrap();
+            let header = Header { kind, key, payload_len, checksum };
+            let mut out = vec![0xAAu8; HEADER_BYTES];
+            header.encode(&mut out);
+            proptest::prop_assert_eq!(Header::decode(&out), Ok(header));
+            let other = if flip < 128 {
+                ChunkKey::new(hash ^ (1u128 << flip), group)
+            } else {
+                ChunkKey::new(hash, group ^ (1u32 << (flip - 128)))
+            };
+            let payload = [(hash as u8) ^ 0x5A; 100];
+            let file = image(key, &payload);
+            proptest::prop_assert_eq!(verify(&file, key, 100), Ok(&payload[..]));
+            proptest::prop_assert_eq!(verify(&file, other, 100), Err(FormatError::WrongKey(key)));
+        }
     }
 }

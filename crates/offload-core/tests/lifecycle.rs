@@ -127,8 +127,10 @@ fn scheduler(slots: u32, workers: u32) -> Scheduler<Logged> {
 }
 
 /// Hashes of request `r`'s first `n` blocks: requests with the same `prefix` share them.
-fn hashes(prefix: u64, n: usize) -> Vec<u64> {
-    (0..n as u64).map(|i| (prefix << 32) | (0xa0 + i)).collect()
+fn hashes(prefix: u64, n: usize) -> Vec<u128> {
+    (0..n as u128)
+        .map(|i| (u128::from(prefix) << 32) | (0xa0 + i))
+        .collect()
 }
 
 fn blocks(range: std::ops::Range<u32>) -> Vec<BlockId> {
@@ -181,7 +183,7 @@ fn step_one<'a>(
 }
 
 /// Prefill of a whole prompt in one step.
-fn prefill<'a>(id: u64, tokens: u32, table: &'a [BlockId], hashes: &'a [u64]) -> StepRequest<'a> {
+fn prefill<'a>(id: u64, tokens: u32, table: &'a [BlockId], hashes: &'a [u128]) -> StepRequest<'a> {
     StepRequest {
         id: RequestId(id),
         num_computed_tokens: 0,

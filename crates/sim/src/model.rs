@@ -451,7 +451,10 @@ mod tests {
     const R: RequestId = RequestId(1);
 
     fn key(n: u64) -> ChunkKey {
-        ChunkKey::new(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, 0)
+        ChunkKey::new(
+            u128::from(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1) << 64 | u128::from(n),
+            0,
+        )
     }
 
     fn pool(slots: u32) -> HostPool {

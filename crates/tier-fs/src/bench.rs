@@ -436,7 +436,12 @@ fn tier(config: &FsBenchConfig, size: usize, count: usize) -> Result<(f64, f64, 
     let measured = (|| {
         let mut fs_tier = FsTier::start(tier_config, memory as Arc<dyn SlotMemory>)?;
         let keys: Vec<ChunkKey> = (0..count as u64)
-            .map(|n| ChunkKey::new(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, 0))
+            .map(|n| {
+                ChunkKey::new(
+                    u128::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15_F39C_C060_5CED_C835) | 1,
+                    0,
+                )
+            })
             .collect();
         let per_job = config.chunks_per_job;
         let store = run_jobs(&mut fs_tier, TierOp::Store, &keys, size as u32, per_job, 1)?;

@@ -402,7 +402,7 @@ mod tests {
     use super::*;
 
     fn k(n: u64) -> ChunkKey {
-        ChunkKey::new(n, 0)
+        ChunkKey::new(u128::from(n), 0)
     }
 
     /// Adds a sealed one-chunk segment for `key` of `bytes`, reserving first like a store.

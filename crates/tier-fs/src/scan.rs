@@ -120,6 +120,23 @@ fn scan_segment(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(FsError::io("read", path, 0, e)),
     };
+    if let (Some(version), 0) = (found.other_version, found.end) {
+        // A segment another kvtier version wrote (version 2 keys are 64-bit: none of them can
+        // name a chunk this version asks for). Never indexed or loaded, and never recovered,
+        // cut or removed: its bytes are not ours to change.
+        add(&stats.old_format_segments, 1);
+        add(&stats.warnings, 1);
+        tracing::warn!(
+            path = %path.display(),
+            version,
+            expected = crate::format::FORMAT_VERSION,
+            "tier-fs: segment of record format version {version} (this kvtier reads only \
+             version {}; version 2 has 64-bit keys) ignored: not loaded, left as it is; \
+             delete it to free its space",
+            crate::format::FORMAT_VERSION
+        );
+        return Ok(None);
+    }
     let mut state = SegmentState::Sealed;
     if !found.sealed {
         if policy.shared {

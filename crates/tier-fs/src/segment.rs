@@ -17,7 +17,7 @@ use std::path::Path;
 
 use offload_core::ChunkKey;
 
-use crate::format::{verify, Header, RecordKind, ALIGN, HEADER_BYTES};
+use crate::format::{verify, FormatError, Header, RecordKind, ALIGN, HEADER_BYTES};
 use crate::io::AlignedBuf;
 
 /// A chunk record found by a walk.
@@ -39,6 +39,9 @@ pub(crate) struct Walk {
     pub(crate) sealed: bool,
     /// Chunk records whose header was good but whose body did not verify (only with `verify`).
     pub(crate) torn: u64,
+    /// The format version of a record header that stopped the walk by its version alone (its
+    /// magic and length were right): a record written by another kvtier version.
+    pub(crate) other_version: Option<u32>,
 }
 
 /// Walks the records of `file` (`len` bytes) from `from`, reading headers (and, with `verify`,
@@ -55,8 +58,13 @@ pub(crate) fn walk(file: &File, from: u64, len: u64, verify_bodies: bool) -> io:
         if file.read_at(&mut head, offset)? < HEADER_BYTES {
             break;
         }
-        let Ok(header) = Header::decode(&head) else {
-            break;
+        let header = match Header::decode(&head) {
+            Ok(header) => header,
+            Err(FormatError::BadVersion(version)) => {
+                walk.other_version = Some(version);
+                break;
+            }
+            Err(_) => break,
         };
         let bytes = header.record_bytes();
         if header.kind == RecordKind::Seal {

@@ -96,6 +96,9 @@ pub struct FsStats {
     pub open_segments_recovered: u64,
     /// Records dropped by that recovery (a torn tail).
     pub torn_records_dropped: u64,
+    /// Segments of another record format version (version 2: 64-bit keys, an older kvtier)
+    /// that the start-up scan found and left alone: not indexed, never loaded, never modified.
+    pub old_format_segments: u64,
     /// Segments this instance sealed.
     pub segments_sealed: u64,
     /// Probes of a shared directory started.
@@ -152,6 +155,7 @@ pub(crate) struct StatsCell {
     pub(crate) tmp_removed_at_start: AtomicU64,
     pub(crate) open_segments_recovered: AtomicU64,
     pub(crate) torn_records_dropped: AtomicU64,
+    pub(crate) old_format_segments: AtomicU64,
     pub(crate) segments_sealed: AtomicU64,
     pub(crate) probes: AtomicU64,
     pub(crate) probe_hits: AtomicU64,
@@ -200,6 +204,7 @@ impl StatsCell {
             tmp_removed_at_start: get(&self.tmp_removed_at_start),
             open_segments_recovered: get(&self.open_segments_recovered),
             torn_records_dropped: get(&self.torn_records_dropped),
+            old_format_segments: get(&self.old_format_segments),
             segments_sealed: get(&self.segments_sealed),
             probes: get(&self.probes),
             probe_hits: get(&self.probe_hits),

@@ -2302,7 +2302,10 @@ mod tests {
     const SLOT_BYTES: usize = 64 << 10;
 
     fn key(n: u64) -> ChunkKey {
-        ChunkKey::new(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x77, 0)
+        ChunkKey::new(
+            u128::from(n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x77) << 64 | u128::from(n),
+            0,
+        )
     }
 
     fn worker(dir: &std::path::Path, shared: &Arc<Shared>, memory: &Arc<VecSlotMemory>) -> Worker {

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use common::*;
 use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::ChunkKey;
 use tier_fs::{
     EngineChoice, FailureKind, Fault, FaultPlan, FaultRule, FaultSite, FsError, FsTier,
     FsTierConfig,
@@ -168,6 +169,68 @@ fn stale_temp_files_are_swept(engine: EngineChoice) {
     assert_eq!(rig.tier.chunk_count(), 1);
     assert!(rig.load(&[(key(1), 8, FULL)]).is_success());
     assert!(rig.slot_is(8, FULL, 1));
+}
+
+/// A record header of format version 2 (64-bit keys), as kvtier wrote it before 128-bit keys:
+/// magic, version, header length, u64 hash, u32 group, u32 kind, u64 payload length, xxh3-64 of
+/// the payload, xxh3-64 of the 48 bytes before it; then the payload padded to 4 KiB.
+fn version_2_record(hash: u64, group: u32, kind: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = vec![0u8; 4096 + payload.len().div_ceil(4096) * 4096];
+    out[0..8].copy_from_slice(b"KVTIERFS");
+    out[8..12].copy_from_slice(&2u32.to_le_bytes());
+    out[12..16].copy_from_slice(&4096u32.to_le_bytes());
+    out[16..24].copy_from_slice(&hash.to_le_bytes());
+    out[24..28].copy_from_slice(&group.to_le_bytes());
+    out[28..32].copy_from_slice(&kind.to_le_bytes());
+    out[32..40].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let sum = tier_fs::format::xxh3_64(payload);
+    out[40..48].copy_from_slice(&sum.to_le_bytes());
+    let own = tier_fs::format::xxh3_64(&out[0..48]);
+    out[48..56].copy_from_slice(&own.to_le_bytes());
+    out[4096..4096 + payload.len()].copy_from_slice(payload);
+    out
+}
+
+/// A sealed segment of format version 2 (an older kvtier's, 64-bit keys) is never indexed or
+/// loaded, under any key with its hash in the low 64 bits, and is left as it is, in a private
+/// directory (which recovers and sweeps its own segments) and in a shared one.
+#[test]
+fn version_2_segments_are_refused_and_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_key = key(7);
+    let namespace_dir = {
+        let mut rig = Rig::start(config(dir.path(), EngineChoice::Sync));
+        assert!(rig.store(&[(key(1), 0, FULL, 1)]).is_success());
+        rig.tier.namespace_dir().to_owned()
+    };
+    let payload = bytes_of(7, FULL as usize);
+    let mut image = version_2_record(old_key.hash_low(), old_key.group, 0, &payload);
+    image.extend(version_2_record(0, 0, 2, &[]));
+    let old = namespace_dir.join("00000000000000bb-00000000.seg");
+    fs::write(&old, &image).unwrap();
+    for shared_dir in [false, true] {
+        let mut rig = Rig::start(FsTierConfig {
+            shared_dir,
+            ..config(dir.path(), EngineChoice::Sync)
+        });
+        let stats = rig.tier.stats();
+        assert_eq!(stats.old_format_segments, 1, "shared {shared_dir}");
+        assert_eq!(rig.tier.chunk_count(), 1, "only the chunk of this version");
+        let low_only = ChunkKey::new(u128::from(old_key.hash_low()), old_key.group);
+        for k in [old_key, low_only] {
+            assert_eq!(rig.lookup(k), TierLookup::Miss, "{k:?}");
+            let done = rig.load(&[(k, 8, FULL)]);
+            assert_eq!(done.failed, vec![k]);
+        }
+        assert!(rig.load(&[(key(1), 9, FULL)]).is_success());
+        assert!(rig.slot_is(9, FULL, 1));
+        drop(rig);
+        assert_eq!(
+            fs::read(&old).unwrap(),
+            image,
+            "the old segment is left as it was"
+        );
+    }
 }
 
 fn capacity_evicts_least_recently_used(engine: EngineChoice) {

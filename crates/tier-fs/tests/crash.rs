@@ -37,12 +37,15 @@ const CHILD_CAPACITY: u64 = 48 * (CHILD_SLOT_BYTES as u64 + 4096);
 
 /// The payload length of a key (1 byte to a full slot), derived from its hash.
 fn len_of(key: ChunkKey) -> u32 {
-    1 + (key.hash % CHILD_SLOT_BYTES as u64) as u32
+    1 + (key.hash_low() % CHILD_SLOT_BYTES as u64) as u32
 }
 
 fn child_key(round: u64, n: u64) -> ChunkKey {
     let mixed = (round << 40 | n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    ChunkKey::new(mixed, 0)
+    ChunkKey::new(
+        u128::from(mixed.rotate_left(17)) << 64 | u128::from(mixed),
+        0,
+    )
 }
 
 fn child_config(dir: &Path, round: u64) -> FsTierConfig {
@@ -86,7 +89,7 @@ fn crash_child_entry() {
         for i in 0..4u64 {
             let key = child_key(round, n * 4 + i);
             let slot = SlotId(i as u32);
-            memory.fill(slot, len_of(key) as usize, key.hash);
+            memory.fill(slot, len_of(key) as usize, key.hash_low());
             chunks.push((key, slot, len_of(key)));
         }
         let id = JobId(n + 1);
@@ -186,7 +189,7 @@ fn sigkill_during_stores_leaves_no_torn_chunk() {
         };
         if done.is_success() {
             assert!(
-                memory.matches(SlotId(0), len_of(key) as usize, key.hash),
+                memory.matches(SlotId(0), len_of(key) as usize, key.hash_low()),
                 "key {key:?} loaded with wrong bytes"
             );
             loaded += 1;

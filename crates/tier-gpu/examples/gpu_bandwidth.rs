@@ -230,7 +230,7 @@ mod gpu {
             .map(|i| {
                 let first = (offset + groups[i]) * BLOCKS_PER_CHUNK;
                 Transfer {
-                    key: ChunkKey::new(i as u64, 0),
+                    key: ChunkKey::new(i as u128, 0),
                     slot: SlotId(offset + slots[i]),
                     first_block_in_chunk: 0,
                     gpu_blocks: (first..first + BLOCKS_PER_CHUNK).map(BlockId).collect(),

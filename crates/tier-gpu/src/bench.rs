@@ -135,7 +135,7 @@ fn measure(
     let places = shuffle(chunks, 11);
     let transfers: Vec<Transfer> = (0..chunks as usize)
         .map(|i| Transfer {
-            key: ChunkKey::new(i as u64, 0),
+            key: ChunkKey::new(i as u128, 0),
             slot: SlotId(slots[i]),
             first_block_in_chunk: 0,
             gpu_blocks: (0..BLOCKS_PER_CHUNK)

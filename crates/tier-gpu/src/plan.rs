@@ -302,7 +302,7 @@ mod tests {
     use super::*;
     use offload_core::{BlockId, SlotId};
 
-    fn transfer(hash: u64, group: u32, slot: u32, first: u32, blocks: &[u32]) -> Transfer {
+    fn transfer(hash: u128, group: u32, slot: u32, first: u32, blocks: &[u32]) -> Transfer {
         Transfer {
             key: ChunkKey::new(hash, group),
             slot: SlotId(slot),

@@ -178,7 +178,7 @@ fn pattern(seed: u8, r: usize, i: usize) -> u8 {
 
 fn transfer(slot: u32, first: u32, blocks: &[u32]) -> Transfer {
     Transfer {
-        key: ChunkKey::new(1000 + u64::from(slot), 0),
+        key: ChunkKey::new(1000 + u128::from(slot), 0),
         slot: SlotId(slot),
         first_block_in_chunk: first,
         gpu_blocks: blocks.iter().map(|&b| BlockId(b)).collect(),

@@ -144,7 +144,7 @@ fn job(id: u64, kind: JobKind, chunks: &[(u32, u32, &[u32])]) -> Job {
         transfers: chunks
             .iter()
             .map(|&(slot, first, blocks)| Transfer {
-                key: ChunkKey::new(u64::from(slot) + 100, 0),
+                key: ChunkKey::new(u128::from(slot) + 100, 0),
                 slot: SlotId(slot),
                 first_block_in_chunk: first,
                 gpu_blocks: blocks.iter().map(|&b| BlockId(b)).collect(),

@@ -30,19 +30,33 @@ use crate::record::{self, file_bytes, FormatError};
 /// How long aborting a failed multipart upload or deleting a corrupt object may take.
 const CLEANUP_DEADLINE: Duration = Duration::from_secs(5);
 
-/// The object name of `key` inside the namespace prefix: `<hash as 16 hex digits>-<group>`.
+/// The object name of `key` inside the namespace prefix: `<hash as 32 hex digits>-<group>`
+/// (record format version 3; version 2's objects, of 64-bit keys, had 16 digits).
 pub fn object_name(key: ChunkKey) -> String {
-    format!("{:016x}-{}", key.hash, key.group)
+    format!("{:032x}-{}", key.hash, key.group)
 }
 
-/// The key an object name stands for, if it is exactly [`object_name`] of some key.
+/// The key an object name stands for, if it is exactly [`object_name`] of some key. A name of
+/// the previous format (16 hex digits: a 64-bit key) is none.
 pub fn parse_object_name(name: &str) -> Option<ChunkKey> {
     let (hash, group) = name.split_once('-')?;
     let key = ChunkKey::new(
-        u64::from_str_radix(hash, 16).ok()?,
+        u128::from_str_radix(hash, 16).ok()?,
         group.parse::<u32>().ok()?,
     );
     (object_name(key) == name).then_some(key)
+}
+
+/// Whether `name` is a chunk object's name of record format version 2 (`<hash as 16 hex
+/// digits>-<group>`, a 64-bit key), which this version neither lists nor loads.
+pub fn is_version_2_object_name(name: &str) -> bool {
+    name.split_once('-').is_some_and(|(hash, group)| {
+        hash.len() == 16
+            && hash
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            && group.parse::<u32>().is_ok_and(|g| g.to_string() == group)
+    })
 }
 
 /// Counters of the tier's work since it started (a snapshot).
@@ -50,6 +64,9 @@ pub fn parse_object_name(name: &str) -> Option<ChunkKey> {
 pub struct ObjStats {
     /// Keys found by the start-up listing.
     pub keys_listed: u64,
+    /// Objects of record format version 2 (64-bit keys) found by the start-up listing and
+    /// ignored: never listed as present, never loaded.
+    pub old_format_objects: u64,
     /// Chunks stored (a put or multipart upload completed).
     pub chunks_stored: u64,
     /// Stores of keys already present, answered without a request.
@@ -77,6 +94,7 @@ pub struct ObjStats {
 #[derive(Default)]
 struct Counters {
     keys_listed: AtomicU64,
+    old_format_objects: AtomicU64,
     chunks_stored: AtomicU64,
     stores_skipped: AtomicU64,
     multipart_uploads: AtomicU64,
@@ -99,6 +117,7 @@ impl Counters {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         ObjStats {
             keys_listed: get(&self.keys_listed),
+            old_format_objects: get(&self.old_format_objects),
             chunks_stored: get(&self.chunks_stored),
             stores_skipped: get(&self.stores_skipped),
             multipart_uploads: get(&self.multipart_uploads),
@@ -455,10 +474,20 @@ impl ObjTier {
             .build()
             .map_err(ObjError::Runtime)?;
         let dir = namespace_dir(&config)?;
-        let index = runtime.block_on(list_keys(&store, &dir, config.list_deadline))?;
+        let (index, old_format) =
+            runtime.block_on(list_keys(&store, &dir, config.list_deadline))?;
         let (tx, rx) = std::sync::mpsc::sync_channel(config.jobs_in_flight_max);
         let counters = Counters::default();
         bump(&counters.keys_listed, index.len() as u64);
+        if old_format > 0 {
+            bump(&counters.old_format_objects, old_format);
+            tracing::warn!(
+                dir = %dir,
+                objects = old_format,
+                "object tier: ignoring objects of record format version 2 (64-bit keys, written \
+                 by an older kvtier); they are never loaded and may be deleted"
+            );
+        }
         tracing::info!(dir = %dir, keys = index.len(), "object tier started");
         let shared = Arc::new(Shared {
             store,
@@ -545,14 +574,16 @@ fn namespace_dir(config: &ObjTierConfig) -> Result<Path, ObjError> {
     })
 }
 
-/// The keys of the chunk objects under `dir` (other names are ignored).
+/// The keys of the chunk objects under `dir` (other names are ignored), and how many objects
+/// have a name of record format version 2.
 async fn list_keys(
     store: &Arc<dyn ObjectStore>,
     dir: &Path,
     deadline: Duration,
-) -> Result<HashSet<ChunkKey>, ObjError> {
+) -> Result<(HashSet<ChunkKey>, u64), ObjError> {
     let listing = async {
         let mut keys = HashSet::new();
+        let mut old_format = 0u64;
         let mut stream = store.list(Some(dir));
         while let Some(meta) = stream.next().await {
             let meta = meta?;
@@ -564,10 +595,12 @@ async fn list_keys(
             if parent_ok == Some(true) {
                 if let Some(key) = parse_object_name(name) {
                     keys.insert(key);
+                } else if is_version_2_object_name(name) {
+                    old_format += 1;
                 }
             }
         }
-        Ok::<_, object_store::Error>(keys)
+        Ok::<_, object_store::Error>((keys, old_format))
     };
     match tokio::time::timeout(deadline, listing).await {
         Ok(Ok(keys)) => Ok(keys),
@@ -673,6 +706,52 @@ impl Drop for ObjTier {
         if let Some(runtime) = self.runtime.take() {
             // Every job finished (drained above); nothing is left to wait for.
             runtime.shutdown_background();
+        }
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every key's object name parses back to that key (all 128 bits of the hash, any
+        /// group), is never a version 2 name, and keys differing only in the hash's high half
+        /// get different names.
+        #[test]
+        fn object_names_round_trip_every_key(hash: u128, group: u32, high_xor in 1u64..) {
+            let key = ChunkKey::new(hash, group);
+            let name = object_name(key);
+            prop_assert_eq!(name.len(), 32 + 1 + group.to_string().len());
+            prop_assert_eq!(parse_object_name(&name), Some(key));
+            prop_assert!(!is_version_2_object_name(&name));
+            let twin = ChunkKey::new(hash ^ (u128::from(high_xor) << 64), group);
+            prop_assert_ne!(object_name(twin), name);
+        }
+
+        /// Version 2 names (16 hex digits) never parse as a key.
+        #[test]
+        fn version_2_names_are_no_key(hash: u64, group: u32) {
+            let name = format!("{hash:016x}-{group}");
+            prop_assert!(is_version_2_object_name(&name));
+            prop_assert_eq!(parse_object_name(&name), None);
+        }
+    }
+
+    #[test]
+    fn malformed_names_are_no_key() {
+        for name in [
+            "",
+            "-",
+            "0-0",
+            &format!("{:032X}-1", 0xABu128),
+            &format!("{:032x}-01", 5u128),
+            &format!("{:033x}-1", 5u128),
+            &format!("{:032x}", 5u128),
+            &format!("{:032x}-x", 5u128),
+        ] {
+            assert_eq!(parse_object_name(name), None, "{name}");
         }
     }
 }

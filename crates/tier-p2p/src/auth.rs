@@ -202,7 +202,7 @@ impl ChunkAuth {
 }
 
 /// The keyed tag of a payload with `digest`, sent as `kind` for `key`: the first 8 bytes
-/// (little-endian) of keyed BLAKE3 under `session` over `u8 kind | u64 key hash | u32 key group
+/// (little-endian) of keyed BLAKE3 under `session` over `u8 kind | u128 key hash | u32 key group
 /// | digest`.
 fn keyed_tag(
     session: &[u8; MAC_BYTES],

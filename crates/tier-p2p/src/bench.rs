@@ -353,7 +353,7 @@ impl SlotMemory for FlatSlotMemory {
 }
 
 fn key(index: usize) -> ChunkKey {
-    ChunkKey::new(0xBE4C_0000_0000 + index as u64, 0)
+    ChunkKey::new(0xBE4C_0000_0000 + index as u128, 0)
 }
 
 fn raw_error(what: &str, e: std::io::Error) -> String {

@@ -108,9 +108,9 @@ pub fn member_id(member: &PeerAddr) -> u64 {
 
 /// The weight of member `id` for `key`.
 fn weight(key: ChunkKey, id: u64) -> u64 {
-    let mut bytes = [0u8; 12];
-    bytes[..8].copy_from_slice(&key.hash.to_le_bytes());
-    bytes[8..].copy_from_slice(&key.group.to_le_bytes());
+    let mut bytes = [0u8; 20];
+    bytes[..16].copy_from_slice(&key.hash.to_le_bytes());
+    bytes[16..].copy_from_slice(&key.group.to_le_bytes());
     twox_hash::XxHash3_64::oneshot_with_seed(id, &bytes)
 }
 
@@ -176,7 +176,7 @@ mod tests {
         let mut load = vec![0usize; set.len()];
         let keys = 16_000u64;
         for k in 0..keys {
-            for i in owners(ChunkKey::new(k, 0), &ids, 2) {
+            for i in owners(ChunkKey::new(u128::from(k), 0), &ids, 2) {
                 load[i] += 1;
             }
         }
@@ -203,7 +203,7 @@ mod tests {
             let keys = 3000u64;
             let mut moved = 0u64;
             for k in 0..keys {
-                let key = ChunkKey::new(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt, 0);
+                let key = ChunkKey::new(u128::from(k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ salt) << 64 | u128::from(k), 0);
                 let old = owned(&before, key);
                 let new = owned(&after, key);
                 if old == new {

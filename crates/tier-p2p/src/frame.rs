@@ -3,7 +3,7 @@
 //! Every frame is `u32 body length (little-endian) | u8 kind | body`. The body length never
 //! exceeds the receiver's `frame_body_bytes_max`; a larger length is refused from the header
 //! alone, before any body byte is read or any memory is reserved for it. All integers are
-//! little-endian. A chunk key is `u64 hash | u32 group` (12 bytes).
+//! little-endian. A chunk key is `u128 hash | u32 group` (20 bytes).
 //!
 //! | kind | body |
 //! |------|------|
@@ -12,7 +12,7 @@
 //! | HAVE (3) | `u32 count | count keys` |
 //! | HAVE_REPLY (4) | `u32 count | ceil(count / 8) bytes of bitmap (bit i of byte i / 8: key i is held)` |
 //! | GET (5) | `u32 count | count keys` |
-//! | DATA (6) | `key | u64 tag | payload` (the payload's length is the body's, less 20; the tag: see below) |
+//! | DATA (6) | `key | u64 tag | payload` (the payload's length is the body's, less 28; the tag: see below) |
 //! | END (7) | `u32 number of DATA frames sent for the GET` |
 //! | ERROR (8) | UTF-8 message, at most 1024 bytes |
 //! | NIXL_GET (9) | `u32 count | count keys` |
@@ -22,7 +22,7 @@
 //!
 //! A chunk's tag (DATA, PUT, each chunk of NIXL_OFFER) is the xxh3-64 of its bytes when the
 //! connection has no shared secret (loopback only); with one, it is the first 8 bytes
-//! (little-endian) of keyed BLAKE3 under the connection's session key over `u8 frame kind | u64
+//! (little-endian) of keyed BLAKE3 under the connection's session key over `u8 frame kind | u128
 //! key hash | u32 key group | 32-byte unkeyed BLAKE3 of the bytes` (see `auth::ChunkAuth`). The
 //! digest itself is not sent: the receiver hashes the bytes it received and keys the tag over
 //! that; the sender keeps each chunk's digest, so it tags a send without hashing the bytes.
@@ -44,8 +44,11 @@ use thiserror::Error;
 
 /// The protocol version this crate speaks; a peer with another version is refused. Version 2
 /// added NIXL_GET, NIXL_OFFER and NIXL_DONE; version 3 added PUT; version 4 tags chunks with
-/// the session key when a secret is set, and HELLO carries no namespace then; version 5 keys
-/// that tag over the payload's BLAKE3 digest instead of the payload (same frame layout).
+/// the session key when a secret is set, and HELLO carries no namespace then; version 5 has
+/// 128-bit key hashes (every key 20 bytes, DATA and PUT prefixes 28) and keys the chunk tag over
+/// the payload's BLAKE3 digest instead of the payload (the sender keeps the digest). A peer of
+/// version 4 or earlier is refused by name of both versions: its 64-bit keys cannot name our
+/// chunks.
 pub const PROTOCOL_VERSION: u16 = 5;
 /// The first bytes of every HELLO body.
 pub const MAGIC: [u8; 4] = *b"KVP2";
@@ -56,7 +59,7 @@ pub const NONCE_BYTES: usize = 32;
 /// Bytes of an HMAC-SHA256 tag.
 pub const MAC_BYTES: usize = 32;
 /// Bytes of an encoded chunk key.
-pub const KEY_BYTES: usize = 12;
+pub const KEY_BYTES: usize = 20;
 /// Bytes of a DATA body before the payload: key and checksum.
 pub const DATA_PREFIX_BYTES: usize = KEY_BYTES + 8;
 /// Most bytes of a namespace identity in HELLO.
@@ -322,14 +325,14 @@ pub fn encode_chunk_prefix(
 
 /// The key and checksum of a DATA or PUT body's first bytes.
 pub fn decode_data_prefix(prefix: &[u8; DATA_PREFIX_BYTES]) -> (ChunkKey, u64) {
-    let mut hash = [0u8; 8];
+    let mut hash = [0u8; 16];
     let mut group = [0u8; 4];
     let mut sum = [0u8; 8];
-    hash.copy_from_slice(&prefix[0..8]);
-    group.copy_from_slice(&prefix[8..12]);
-    sum.copy_from_slice(&prefix[12..20]);
+    hash.copy_from_slice(&prefix[0..16]);
+    group.copy_from_slice(&prefix[16..20]);
+    sum.copy_from_slice(&prefix[20..28]);
     (
-        ChunkKey::new(u64::from_le_bytes(hash), u32::from_le_bytes(group)),
+        ChunkKey::new(u128::from_le_bytes(hash), u32::from_le_bytes(group)),
         u64::from_le_bytes(sum),
     )
 }
@@ -621,7 +624,7 @@ impl<'a> Cursor<'a> {
     }
 
     fn key(&mut self) -> Result<ChunkKey, FrameError> {
-        let hash = u64::from_le_bytes(self.array()?);
+        let hash = u128::from_le_bytes(self.array()?);
         let group = u32::from_le_bytes(self.array()?);
         Ok(ChunkKey::new(hash, group))
     }
@@ -730,7 +733,7 @@ mod tests {
 
     #[test]
     fn every_kind_round_trips() {
-        let keys = vec![ChunkKey::new(1, 0), ChunkKey::new(u64::MAX, 7)];
+        let keys = vec![ChunkKey::new(1, 0), ChunkKey::new(u128::MAX, 7)];
         round_trip(&Frame::Hello(Hello {
             secret_required: true,
             nonce: [9; NONCE_BYTES],
@@ -768,7 +771,7 @@ mod tests {
                     len: 1 << 20,
                 },
                 NixlChunk {
-                    key: ChunkKey::new(u64::MAX, 9),
+                    key: ChunkKey::new(u128::MAX, 9),
                     checksum: u64::MAX,
                     addr: u64::MAX,
                     len: u32::MAX,

@@ -58,7 +58,14 @@ fn version_refusal(conn: &mut Conn, error: P2pError) -> P2pError {
             ..
         } => refuse(
             conn,
-            format!("protocol version mismatch: peer speaks {found}, we speak {expected}"),
+            format!(
+                "protocol version mismatch: peer speaks {found}, we speak {expected}{}",
+                if found < 5 {
+                    " (versions before 5 have 64-bit chunk keys; upgrade the peer)"
+                } else {
+                    ""
+                }
+            ),
         ),
         other => other,
     }

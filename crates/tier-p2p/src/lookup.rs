@@ -159,7 +159,7 @@ mod tests {
     const MS: Duration = Duration::from_millis(1);
 
     fn key(i: u64) -> ChunkKey {
-        ChunkKey::new(i, 0)
+        ChunkKey::new(u128::from(i), 0)
     }
 
     #[test]

@@ -188,7 +188,7 @@ mod tests {
     }
 
     fn key(i: u64) -> ChunkKey {
-        ChunkKey::new(i, 0)
+        ChunkKey::new(u128::from(i), 0)
     }
 
     #[test]

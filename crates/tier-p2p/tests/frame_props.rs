@@ -7,15 +7,16 @@ use std::io::Cursor;
 use offload_core::ChunkKey;
 use proptest::prelude::*;
 use tier_p2p::frame::{
-    decode, decode_header, Frame, FrameError, FrameReader, Hello, NixlChunk, ReadError,
-    HEADER_BYTES, MAC_BYTES, NONCE_BYTES,
+    decode, decode_data_prefix, decode_header, encode_chunk_prefix, Frame, FrameError, FrameKind,
+    FrameReader, Hello, NixlChunk, ReadError, DATA_PREFIX_BYTES, HEADER_BYTES, MAC_BYTES,
+    NONCE_BYTES,
 };
 
 /// A small maximum, so that random lengths often exceed it.
 const BODY_MAX: usize = 4096;
 
 fn key() -> impl Strategy<Value = ChunkKey> {
-    (any::<u64>(), any::<u32>()).prop_map(|(hash, group)| ChunkKey::new(hash, group))
+    (any::<u128>(), any::<u32>()).prop_map(|(hash, group)| ChunkKey::new(hash, group))
 }
 
 /// Any valid frame that fits `BODY_MAX`; DATA payloads are owned by the strategy's output.
@@ -43,7 +44,10 @@ fn build<'a>(
         4 => Frame::HaveReply(flags.clone()),
         5 => Frame::Get(keys.clone()),
         6 => Frame::Data {
-            key: keys.first().copied().unwrap_or(ChunkKey::new(*number, 0)),
+            key: keys
+                .first()
+                .copied()
+                .unwrap_or(ChunkKey::new(u128::from(*number) << 64, 0)),
             checksum: *number,
             payload: bytes,
         },
@@ -66,7 +70,10 @@ fn build<'a>(
         },
         11 => Frame::NixlDone,
         12 => Frame::Put {
-            key: keys.first().copied().unwrap_or(ChunkKey::new(*number, 0)),
+            key: keys
+                .first()
+                .copied()
+                .unwrap_or(ChunkKey::new(u128::from(*number) << 64, 0)),
             checksum: *number,
             payload: bytes,
         },
@@ -153,6 +160,43 @@ proptest! {
             other => prop_assert!(false, "oversized frame read as {:?}", other.map(|f| f.kind())),
         }
         prop_assert_eq!(reader.buffer_capacity(), 0);
+    }
+
+    /// A DATA or PUT prefix (the form the data path writes before a payload sent from where it
+    /// lies) decodes to its key and tag, all 128 bits of the hash included; keys that differ in
+    /// one bit of the hash (high half or low) or of the group encode differently.
+    #[test]
+    fn chunk_prefixes_round_trip_every_key(
+        hash: u128,
+        group: u32,
+        checksum: u64,
+        payload_len in 0usize..(1 << 30),
+        put: bool,
+        flip in 0u32..160,
+    ) {
+        let kind = if put { FrameKind::Put } else { FrameKind::Data };
+        let key = ChunkKey::new(hash, group);
+        let encoded = |key: ChunkKey| {
+            let mut out = Vec::new();
+            encode_chunk_prefix(kind, key, checksum, payload_len, &mut out);
+            out
+        };
+        let bytes = encoded(key);
+        prop_assert_eq!(bytes.len(), HEADER_BYTES + DATA_PREFIX_BYTES);
+        let header = decode_header(bytes[..HEADER_BYTES].try_into().unwrap(), usize::MAX).unwrap();
+        prop_assert_eq!(header.kind, kind);
+        prop_assert_eq!(header.body_len, DATA_PREFIX_BYTES + payload_len);
+        let prefix: [u8; DATA_PREFIX_BYTES] = bytes[HEADER_BYTES..].try_into().unwrap();
+        prop_assert_eq!(decode_data_prefix(&prefix), (key, checksum));
+        let other = if flip < 128 {
+            ChunkKey::new(hash ^ (1u128 << flip), group)
+        } else {
+            ChunkKey::new(hash, group ^ (1u32 << (flip - 128)))
+        };
+        let other_bytes = encoded(other);
+        prop_assert_ne!(&bytes, &other_bytes);
+        let prefix: [u8; DATA_PREFIX_BYTES] = other_bytes[HEADER_BYTES..].try_into().unwrap();
+        prop_assert_eq!(decode_data_prefix(&prefix), (other, checksum));
     }
 
     #[test]

@@ -205,6 +205,61 @@ fn server_refuses_another_protocol_version() {
     });
 }
 
+/// A HELLO of protocol version 4, the last one with 64-bit keys.
+fn version_4_hello() -> Vec<u8> {
+    let mut hello = Vec::new();
+    Raw::hello(common::namespace().as_bytes(), false).encode(&mut hello);
+    // The version follows the 4-byte magic.
+    hello[HEADER_BYTES + 4..HEADER_BYTES + 6].copy_from_slice(&4u16.to_le_bytes());
+    hello
+}
+
+#[test]
+fn server_refuses_a_version_4_peer_with_64_bit_keys() {
+    assert_eq!(PROTOCOL_VERSION, 5, "this test names the versions");
+    let a = publisher(|_| {});
+    let mut raw = Raw::connect(a.local_addr());
+    raw.send_bytes(&version_4_hello());
+    let errors = raw.errors_until_closed();
+    assert!(
+        errors.iter().any(|e| e.contains(
+            "protocol version mismatch: peer speaks 4, we speak 5 (versions before 5 have 64-bit chunk keys"
+        )),
+        "{errors:?}"
+    );
+    common::eventually("server counts the refusal", WAIT, || {
+        server_refusals(&a) >= 1
+    });
+}
+
+#[test]
+fn client_refuses_a_version_4_server() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = std::thread::spawn(move || {
+        let (stream, _) = listener.accept().expect("accept");
+        let mut raw = Raw::new(stream);
+        assert!(
+            matches!(raw.recv(), Ok(Frame::Hello(_))),
+            "client opens with HELLO"
+        );
+        raw.send_bytes(&version_4_hello());
+        raw.errors_until_closed()
+    });
+    let mut b = fetcher(addr, |c| {
+        c.backoff_initial = Duration::from_secs(5);
+        c.backoff_max = Duration::from_secs(5);
+    });
+    expect_refused(&mut b, "peer speaks 4, we speak 5");
+    let errors = server.join().expect("fake server");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("peer speaks 4, we speak 5")),
+        "the client tells the server why: {errors:?}"
+    );
+}
+
 /// Connects and handshakes by hand (no secret).
 fn handshaken(addr: SocketAddr) -> Raw {
     let mut raw = Raw::connect(addr);

@@ -95,7 +95,7 @@ fn synthetic_trace() -> Vec<Request> {
 }
 
 fn key(id: u64) -> ChunkKey {
-    ChunkKey::new(0xB10C_0000_0000 + id, 0)
+    ChunkKey::new(u128::from(0xB10C_0000_0000 + id), 0)
 }
 
 fn free_addrs(count: usize) -> Vec<SocketAddr> {

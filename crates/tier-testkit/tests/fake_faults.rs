@@ -11,7 +11,7 @@ use tier_testkit::{FakeTier, FakeTierConfig, FaultPlan, VecSlotMemory};
 const SLOT_BYTES: usize = 256;
 
 fn key(n: u64) -> ChunkKey {
-    ChunkKey::new(n, 0)
+    ChunkKey::new(u128::from(n), 0)
 }
 
 fn job(id: u64, op: TierOp, chunks: &[(u64, u32, u32)]) -> TierJob {

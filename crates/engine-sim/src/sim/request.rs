@@ -82,7 +82,7 @@ pub(crate) struct Req {
     /// Every token the executor produced (the scheduler knows the first `num_known`).
     pub chain: TokenChain,
     /// Hashes of the full blocks within the first `num_known` tokens.
-    pub hashes: Vec<u64>,
+    pub hashes: Vec<u128>,
     pub num_known: u32,
     /// Sampled tokens scheduled but not yet processed (vLLM's `num_output_placeholders`).
     pub placeholders: u32,

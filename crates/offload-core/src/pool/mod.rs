@@ -3,11 +3,11 @@
 //!
 //! Layout (all sized once, at creation; no allocation on the hot path):
 //!
-//! - `slots`: one 24-byte `Slot` per slot: the key, the reference count, the list the slot is on
+//! - `slots`: one 32-byte `Slot` per slot: the key, the reference count, the list the slot is on
 //!   and its intrusive list links. Free slots form a stack threaded through the same links.
 //! - `map`: an open-addressing table from the key's mixed hash to the slot index (`table.rs`),
-//!   4-byte buckets, 4 per slot with LRU; with ARC 6.5 per slot (5.5 with a reuse threshold), and
-//!   the table also holds the ghosts (indices from `slot_count` up), at most one per slot.
+//!   4-byte buckets, 4 per slot with LRU; with ARC 4.75 per slot (3.75 with a reuse threshold),
+//!   and the table also holds the ghosts (indices from `slot_count` up), at most one per slot.
 //! - the eviction policy ([`EvictionPolicy`]): LRU (`lru.rs`) or ARC (`arc.rs`, which adds a ghost
 //!   arena of `slot_count` 12-byte fingerprints).
 //! - with a reuse threshold above 1, a bounded lookup counter (`reuse.rs`).
@@ -112,12 +112,13 @@ pub const REUSE_THRESHOLD_MAX: u32 = reuse::COUNT_MAX;
 /// hottest code; a lower load factor shortens them, and LRU's budget allows it.
 const LRU_MAP_BUCKETS_PER_SLOT: (usize, usize) = (4, 1);
 /// Key-table buckets per slot with ARC, whose table holds up to a ghost per slot besides the
-/// present keys: 6.5, load factor at most 4/13. The probe loops' length (and how often their end
-/// is mispredicted) makes the table's sparsity worth most of what is left of the 64-byte budget.
-const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (13, 2);
-/// The same with a reuse threshold, whose tracker takes 4 bytes per slot: 5.5, load factor at
-/// most 4/11.
-const ARC_TRACKER_MAP_BUCKETS_PER_SLOT: (usize, usize) = (11, 2);
+/// present keys: 4.75, load factor at most 8/19. The probe loops' length (and how often their end
+/// is mispredicted) makes the table's sparsity worth all of what is left of the 64-byte budget
+/// (32 bytes of slot with its 128-bit key, 12 of ghost, 19 here). It was 6.5 with 64-bit keys.
+const ARC_MAP_BUCKETS_PER_SLOT: (usize, usize) = (19, 4);
+/// The same with a reuse threshold, whose tracker takes 4 bytes per slot: 3.75, load factor at
+/// most 8/15 (5.5 with 64-bit keys).
+const ARC_TRACKER_MAP_BUCKETS_PER_SLOT: (usize, usize) = (15, 4);
 
 /// Calls with more keys than this dedupe new keys with a hash set; smaller ones with a filter of
 /// [`DEDUPE_FILTER_BITS`] bits of the keys' hashes, and a linear scan only when a key's bit was
@@ -136,11 +137,11 @@ const LIST_MAIN: u8 = 1;
 /// `Slot::list` of a slot on ARC's T2.
 const LIST_T2: u8 = 2;
 
-/// One slot's metadata (24 bytes).
+/// One slot's metadata (32 bytes: the 20 bytes of the key, then 12 of state, no padding).
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     /// The key's hash (meaningful only while the slot is present).
-    hash: u64,
+    hash: u128,
     /// The key's group.
     group: u32,
     /// -1: being written; 0: idle (evictable); n > 0: n loads read it.
@@ -154,7 +155,7 @@ struct Slot {
 }
 
 // The memory budget (design.md section 7) counts on these sizes.
-const _: () = assert!(std::mem::size_of::<Slot>() == 24);
+const _: () = assert!(std::mem::size_of::<Slot>() == 32);
 
 impl Slot {
     const FREE: Slot = Slot {

@@ -16,13 +16,13 @@ const R: RequestId = RequestId(7);
 const KEY_UNIVERSE: u8 = 24;
 
 fn key(n: u8) -> ChunkKey {
-    // Spread hashes, and use two groups with equal hashes to exercise the group in the key.
-    // (Not the mixer's own group constant: that would make distinct keys share a fingerprint,
-    // which real prefix hashes do with odds of 2^-64.)
-    ChunkKey::new(
-        u64::from(n / 2).wrapping_mul(0xD1B5_4A32_D192_ED03) + 1,
-        u32::from(n % 2),
-    )
+    // Spread hashes, and use two groups with equal hashes to exercise the group in the key, and
+    // two hashes with equal low halves to exercise the high half: keys 4i to 4i+3 share their
+    // low 64 bits. (Not the mixer's own constants: that would make distinct keys share a
+    // fingerprint, which real prefix hashes do with odds of 2^-64.)
+    let low = u64::from(n / 4).wrapping_mul(0xD1B5_4A32_D192_ED03) + 1;
+    let high = u64::from(n / 2 % 2) * 0xA5A5_5A5A_0F0F_F0F1;
+    ChunkKey::new(u128::from(low) | (u128::from(high) << 64), u32::from(n % 2))
 }
 
 /// The reference model: the rules of design.md items 9-10 written as directly as possible.

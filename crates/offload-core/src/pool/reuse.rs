@@ -119,7 +119,7 @@ mod tests {
         // One bucket: every key shares it.
         let mut t = ReuseTracker::new(WAYS as u32);
         assert_eq!(t.bucket_count(), 1);
-        let k = |n: u64| ChunkKey::new(n, 0);
+        let k = |n: u64| ChunkKey::new(u128::from(n), 0);
         t.record(mix(k(100)));
         t.record(mix(k(100)));
         assert_eq!(t.count_key(k(100)), 2);

@@ -18,13 +18,22 @@
 use crate::key::ChunkKey;
 
 /// The mixed hash of a key, used for the index table, ghost fingerprints and the reuse tracker:
-/// the splitmix64 finalizer of `hash ^ f(group)` (so sequential test keys spread as well as real
-/// prefix hashes), with bit 32 cleared. A ghost keeps only the high word, and uses its lowest bit
+/// the splitmix64 finalizer of `low ^ g(high) ^ f(group)`, where `low` and `high` are the two
+/// halves of the 128-bit hash, `f` multiplies by an odd constant and `g` folds the 128-bit
+/// product by one to 64 bits (so every bit of the key feeds it, keys that differ only in their high half spread like any others, and sequential
+/// test keys spread as well as real prefix hashes), with bit 32 cleared. Equal mixes of
+/// different keys only cost probes: the table compares whole keys. A ghost keeps only the high word, and uses its lowest bit
 /// for a flag; clearing it here means the high word alone rebuilds the table's home bucket of
 /// both a present key and its ghost, so an entry can turn from one into the other in place.
 #[inline]
 pub(crate) fn mix(key: ChunkKey) -> u64 {
-    let mut x = key.hash ^ u64::from(key.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    // The high half through a full 64x64 -> 128-bit product folded to 64 bits: unlike a 64-bit
+    // product, it carries a change in any bit of `high` into many bits (so it never cancels a
+    // one-bit change of `low`), for one more instruction.
+    let high = u128::from(key.hash_high()) * 0xD6E8_FEB8_6659_FD93;
+    let mut x = key.hash_low()
+        ^ (high as u64 ^ (high >> 64) as u64)
+        ^ u64::from(key.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     x ^= x >> 30;
     x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x ^= x >> 27;
@@ -471,7 +480,7 @@ mod tests {
     use super::*;
 
     fn key(n: u64) -> ChunkKey {
-        ChunkKey::new(n, 0)
+        ChunkKey::new(u128::from(n), 0)
     }
 
     #[test]
@@ -479,6 +488,29 @@ mod tests {
         assert_ne!(mix(ChunkKey::new(1, 0)), mix(ChunkKey::new(1, 1)));
         assert_ne!(mix(key(1)), mix(key(2)));
         assert_eq!(mix(key(7)), mix(key(7)));
+    }
+
+    #[test]
+    fn mix_takes_every_bit_of_the_key() {
+        // Flipping any one bit of the 128-bit hash or of the group gives another mix, so keys
+        // equal in their low 64 bits do not all share a home bucket.
+        let base = ChunkKey::new(0x0123_4567_89AB_CDEF_FEDC_BA98_7654_3210, 3);
+        let mut seen = std::collections::BTreeSet::new();
+        seen.insert(mix(base));
+        for bit in 0..128 {
+            let flipped = ChunkKey::new(base.hash ^ (1u128 << bit), base.group);
+            assert!(
+                seen.insert(mix(flipped)),
+                "hash bit {bit} does not feed the mix"
+            );
+        }
+        for bit in 0..32 {
+            let flipped = ChunkKey::new(base.hash, base.group ^ (1 << bit));
+            assert!(
+                seen.insert(mix(flipped)),
+                "group bit {bit} does not feed the mix"
+            );
+        }
     }
 
     #[test]

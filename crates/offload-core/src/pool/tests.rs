@@ -6,7 +6,7 @@ use super::*;
 const R: RequestId = RequestId(1);
 
 fn k(n: u64) -> ChunkKey {
-    ChunkKey::new(n, 0)
+    ChunkKey::new(u128::from(n), 0)
 }
 
 fn ks(ns: &[u64]) -> Vec<ChunkKey> {
@@ -200,7 +200,9 @@ fn prepare_load_pins_and_fails_without_effect() {
         let mut slots = vec![SlotId(99)];
         for bad in [&[1, 3][..], &[2, 7][..]] {
             let err = p.prepare_load(&ks(bad), R, &mut slots).unwrap_err();
-            assert!(matches!(err, CoreError::BadKeyState { hash, .. } if hash == bad[1]));
+            assert!(
+                matches!(err, CoreError::BadKeyState { hash, .. } if hash == u128::from(bad[1]))
+            );
             assert_eq!(slots, vec![SlotId(99)], "slots untouched on error");
             assert_eq!(p.ref_count(k(1)), Some(0), "no pin on error");
         }
@@ -613,4 +615,58 @@ fn reader_limit_counts_each_key_not_the_call() {
     assert_eq!(p.ref_count(k(2)), Some(1), "pin on k2 given back");
     assert_eq!(p.ref_count(k(3)), Some(1), "pin on k3 given back");
     p.check_invariants().unwrap();
+}
+
+#[test]
+fn keys_equal_in_their_low_64_bits_are_distinct() {
+    // Three keys whose hashes share the low 64 bits, and a fourth differing only in its group.
+    let keys = [
+        ChunkKey::new(5, 0),
+        ChunkKey::new((1u128 << 64) | 5, 0),
+        ChunkKey::new((u128::from(u64::MAX) << 64) | 5, 0),
+        ChunkKey::new((1u128 << 64) | 5, 1),
+    ];
+    for policy in POLICIES {
+        let mut p = pool(4, policy);
+        let mut out = PreparedStore::default();
+        p.prepare_store(&keys[..1], R, &mut out).unwrap();
+        p.complete_store(&keys[..1], true);
+        for &other in &keys[1..] {
+            assert_eq!(
+                p.lookup(other, R),
+                LookupResult::Miss,
+                "{policy:?} {other:x?}"
+            );
+            assert_eq!(p.slot_of(other), None);
+        }
+        p.prepare_store(&keys, R, &mut out).unwrap();
+        assert_eq!(out.keys, keys[1..], "{policy:?}: every other key is new");
+        p.complete_store(&keys, true);
+        let slots: Vec<SlotId> = keys.iter().map(|&key| p.slot_of(key).unwrap()).collect();
+        for (i, &key) in keys.iter().enumerate() {
+            assert_eq!(p.key_in(slots[i]), Some(key), "{policy:?}");
+            assert!(
+                slots[..i].iter().all(|&s| s != slots[i]),
+                "{policy:?}: shared slot"
+            );
+        }
+        // A load pins only its own key's slot.
+        let mut pinned = Vec::new();
+        p.prepare_load(&keys[2..3], R, &mut pinned).unwrap();
+        let refs: Vec<_> = keys.iter().map(|&key| p.ref_count(key)).collect();
+        assert_eq!(refs, [Some(0), Some(0), Some(1), Some(0)], "{policy:?}");
+        p.complete_load(&keys[2..3]);
+        // Evicting one leaves the others.
+        p.touch(&keys[1..], R);
+        p.prepare_store(&[k(99)], R, &mut out).unwrap();
+        assert_eq!(
+            p.slot_of(keys[0]),
+            None,
+            "{policy:?}: the least recent key is evicted"
+        );
+        assert!(keys[1..]
+            .iter()
+            .all(|&key| p.lookup(key, R) == LookupResult::Hit));
+        p.check_invariants().unwrap();
+    }
 }

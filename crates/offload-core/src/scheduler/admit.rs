@@ -34,7 +34,7 @@ impl<M: OffloadManager> Scheduler<M> {
         &mut self,
         id: RequestId,
         num_tokens: u32,
-        block_hashes: &[u64],
+        block_hashes: &[u128],
         num_computed_tokens: u32,
     ) -> MatchResult {
         let config = self.config;

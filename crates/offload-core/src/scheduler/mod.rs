@@ -129,8 +129,9 @@ pub struct StepRequest<'a> {
     pub new_block_ids: &'a [BlockId],
     /// `new_block_ids` is the whole block table (a new or resumed request), not an addition.
     pub replace_blocks: bool,
-    /// The request's full-block prefix hashes so far (one per full engine block).
-    pub block_hashes: &'a [u64],
+    /// The request's full-block prefix hashes so far (one per full engine block; 128 bits, see
+    /// [`crate::ChunkKey`]).
+    pub block_hashes: &'a [u128],
 }
 
 /// One engine step's scheduling decisions.
@@ -165,7 +166,7 @@ pub struct FinishedRequest<'a> {
     /// Tokens whose KV was computed.
     pub num_computed_tokens: u32,
     /// Its full-block prefix hashes.
-    pub block_hashes: &'a [u64],
+    pub block_hashes: &'a [u128],
 }
 
 /// What `update_connector_output` and `reset_cache` tell the engine.

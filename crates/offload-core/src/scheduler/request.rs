@@ -35,7 +35,7 @@ pub(crate) struct LiveRequest {
     /// The engine block table, in token order.
     pub block_ids: Vec<BlockId>,
     /// Full-block prefix hashes known so far.
-    pub block_hashes: Vec<u64>,
+    pub block_hashes: Vec<u128>,
     /// All tokens (prompt and output) as of the last step or finish.
     pub num_tokens: u32,
     /// Computed tokens before the last step this request was scheduled in.
@@ -85,7 +85,7 @@ impl LiveRequest {
     }
 
     /// Keeps the longest hash list seen (hashes only grow; a shorter list adds nothing).
-    pub fn learn_hashes(&mut self, hashes: &[u64]) {
+    pub fn learn_hashes(&mut self, hashes: &[u128]) {
         if hashes.len() > self.block_hashes.len() {
             let known = self.block_hashes.len();
             self.block_hashes.extend_from_slice(&hashes[known..]);

@@ -191,10 +191,11 @@ impl Rig {
     }
 }
 
-/// A key with a hash that spreads over the fan-out directories.
+/// A key with a hash that spreads over all 128 bits.
 pub fn key(n: u64) -> ChunkKey {
+    let low = n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x1234;
     ChunkKey::new(
-        n.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x1234,
+        u128::from(low.rotate_left(29) ^ 0xF5) << 64 | u128::from(low),
         (n % 3) as u32,
     )
 }

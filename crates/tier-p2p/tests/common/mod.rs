@@ -30,7 +30,10 @@ pub fn config(peers: Vec<SocketAddr>) -> P2pConfig {
 
 /// The key of test chunk `index`.
 pub fn key(index: u64) -> ChunkKey {
-    ChunkKey::new(0xC0FF_EE00_0000 + index, (index % 2) as u32)
+    ChunkKey::new(
+        0xF00D_0000_0000_0001 << 64 | u128::from(0xC0FF_EE00_0000 + index),
+        (index % 2) as u32,
+    )
 }
 
 /// The seed of test chunk `index`'s bytes.

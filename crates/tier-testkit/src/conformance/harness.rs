@@ -43,7 +43,7 @@ pub(crate) struct Harness {
     accepted: BTreeMap<JobId, TierJob>,
     completions: BTreeMap<JobId, TierCompletion>,
     next_job: u64,
-    key_base: u64,
+    key_base: u128,
     shut_down: bool,
 }
 
@@ -63,7 +63,8 @@ impl Harness {
             accepted: BTreeMap::new(),
             completions: BTreeMap::new(),
             next_job: 1,
-            key_base: checksum(case.as_bytes()) & 0xFFFF_FFFF_0000_0000,
+            // The case's keys fill all 128 bits: a per-case high half, the index below.
+            key_base: (u128::from(checksum(case.as_bytes())) << 64) | 0x5A5A_0000_0000_0000,
             shut_down: false,
         };
         if harness.name.is_empty() {
@@ -101,7 +102,14 @@ impl Harness {
 
     /// The case's `index`-th key (distinct per case; groups 0 and 1 alternate).
     pub(crate) fn key(&self, index: u64) -> ChunkKey {
-        ChunkKey::new(self.key_base | index, (index % 2) as u32)
+        ChunkKey::new(self.key_base | u128::from(index), (index % 2) as u32)
+    }
+
+    /// The case's `index`-th key with its hash's high 64 bits xor `high_xor`: the same low 64
+    /// bits and group, another key.
+    pub(crate) fn key_high_xor(&self, index: u64, high_xor: u64) -> ChunkKey {
+        let key = self.key(index);
+        ChunkKey::new(key.hash ^ (u128::from(high_xor) << 64), key.group)
     }
 
     /// A fresh, growing job id.

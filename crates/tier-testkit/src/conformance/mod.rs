@@ -130,6 +130,10 @@ pub const CASES: &[Case] = &[
         name: "repeated_store_of_a_key_is_harmless",
         run: repeated_store_of_a_key_is_harmless,
     },
+    Case {
+        name: "keys_equal_in_low_64_bits_are_distinct",
+        run: keys_equal_in_low_64_bits_are_distinct,
+    },
 ];
 
 /// Runs every case with the default [`SuiteConfig`], each on a fresh tier from `make`.
@@ -598,6 +602,72 @@ pub fn repeated_store_of_a_key_is_harmless(config: &SuiteConfig, make: &mut Make
     h.finish();
 }
 
+/// Keys whose hashes share their low 64 bits and group but differ in the high 64 (bit 64, bit
+/// 127) are distinct keys: storing one is no hit for the others, a load of another fails, and
+/// once all are stored each loads its own bytes.
+pub fn keys_equal_in_low_64_bits_are_distinct(config: &SuiteConfig, make: &mut MakeTier<'_>) {
+    let mut h = Harness::new("keys_equal_in_low_64_bits_are_distinct", config, make);
+    let len = lengths(h.slot_bytes())[0];
+    let (a, b, c) = (h.key(0), h.key_high_xor(0, 1), h.key_high_xor(0, 1 << 63));
+    let seeds = [(a, 0xA000_0001u64), (b, 0xB000_0002), (c, 0xC000_0003)];
+    h.fill(SlotId(0), len, seeds[0].1);
+    let job = h.job(TierOp::Store, vec![(a, SlotId(0), len)]);
+    let id = h.submit(&job);
+    h.wait_success(id, "store of the first key");
+    h.expect_lookup(a, TierLookup::Hit, "stored");
+    for other in [b, c] {
+        h.expect_lookup(
+            other,
+            TierLookup::Miss,
+            "never stored; only a key with the same low 64 bits was",
+        );
+    }
+    for slot in 8..10 {
+        h.fill(SlotId(slot), len, 0xBAD0_0000 + u64::from(slot));
+    }
+    let job = h.job(TierOp::Load, vec![(a, SlotId(8), len), (b, SlotId(9), len)]);
+    let id = h.submit(&job);
+    let done = h.wait(id);
+    if done.failed != [b] {
+        h.fail(format!(
+            "load of {a:?} and {b:?} (never stored, same low 64 bits) failed keys {:?}",
+            done.failed
+        ));
+    }
+    h.expect_slot(
+        SlotId(8),
+        len,
+        seeds[0].1,
+        "stored key loaded beside its twin",
+    );
+    h.fill(SlotId(1), len, seeds[1].1);
+    h.fill(SlotId(2), len, seeds[2].1);
+    let job = h.job(
+        TierOp::Store,
+        vec![(b, SlotId(1), len), (c, SlotId(2), len)],
+    );
+    let id = h.submit(&job);
+    h.wait_success(
+        id,
+        "store of the two keys that differ only in their high bits",
+    );
+    let loads: Vec<(ChunkKey, SlotId, u32)> = seeds
+        .iter()
+        .enumerate()
+        .map(|(i, &(key, _))| (key, SlotId(10 + i as u32), len))
+        .collect();
+    for &(_, slot, _) in &loads {
+        h.fill(slot, len, 0xBAD0_0000 + u64::from(slot.0));
+    }
+    let job = h.job(TierOp::Load, loads.clone());
+    let id = h.submit(&job);
+    h.wait_success(id, "load of three keys equal in their low 64 bits");
+    for (&(_, seed), &(_, slot, _)) in seeds.iter().zip(&loads) {
+        h.expect_slot(slot, len, seed, "each key loads its own bytes");
+    }
+    h.finish();
+}
+
 /// Expands to one `#[test]` per conformance case, each building its tier with `$make` (an
 /// expression of a type `FnMut(Arc<dyn SlotMemory>) -> Box<dyn Tier>`, evaluated once per test),
 /// plus a test that the list of cases matches [`conformance::CASES`](crate::conformance::CASES).
@@ -632,6 +702,7 @@ macro_rules! tier_conformance_tests {
             touch_and_request_finished_are_harmless
             many_jobs_in_flight
             repeated_store_of_a_key_is_harmless
+            keys_equal_in_low_64_bits_are_distinct
         );
     };
 }

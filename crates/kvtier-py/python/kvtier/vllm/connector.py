@@ -29,7 +29,7 @@ host path of the same round trip); its GPU checks (`crates/kvtier-py/scripts/gpu
 NOT yet run on a GPU.
 
 vLLM's `str` request ids become numbers and
-its `bytes` block hashes the xxh3-64 of their bytes (as `kvtier.vllm.tiers` keys chunks); the
+its `bytes` block hashes the xxh3-128 of their bytes (as `kvtier.vllm.tiers` keys chunks); the
 per-step metadata and the workers' acknowledgements cross as bytes (offload-core's JSON).
 
 Lifecycle, as offload-core's contract says: a request with stores still to build or in flight
@@ -86,7 +86,7 @@ from .._kvtier import (
     ConnectorScheduler,
     ConnectorWorker,
     HostPool,
-    block_hashes_to_u64,
+    block_hashes_to_u128,
     resolve_connector_config,
 )
 from ..kvcache import KvDevice, kv_cache_regions
@@ -651,7 +651,7 @@ class _SchedulerSide:
         raw = request.block_hashes
         if len(raw) > len(done):
             new = list(raw[len(done):])
-            nums = block_hashes_to_u64(new)
+            nums = block_hashes_to_u128(new)
             done.extend(nums)
             if self.events_on:
                 for h, b in zip(nums, new):
