@@ -585,7 +585,7 @@ mod tests {
             request: RequestId(100 + id),
             kind,
             transfers: vec![Transfer {
-                key: ChunkKey::new(id, 0),
+                key: ChunkKey::new(u128::from(id), 0),
                 slot: SlotId(slot),
                 first_block_in_chunk: 0,
                 gpu_blocks: blocks.iter().map(|&b| BlockId(b)).collect(),

@@ -216,7 +216,7 @@ fn job(id: u64, kind: JobKind, slot: u32, blocks: &[u32]) -> Job {
         request: RequestId(id),
         kind,
         transfers: vec![Transfer {
-            key: ChunkKey::new(500 + id, 0),
+            key: ChunkKey::new(500 + u128::from(id), 0),
             slot: SlotId(slot),
             first_block_in_chunk: 0,
             gpu_blocks: blocks.iter().map(|&b| BlockId(b)).collect(),
