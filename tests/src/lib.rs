@@ -49,7 +49,7 @@ impl<T: Tier> Tier for FailingTier<T> {
         }
         self.failed.push(TierCompletion {
             id: job.id,
-            failed: job.chunks.iter().map(|c| c.0).collect(),
+            failed: job.chunks.iter().map(|c| c.key).collect(),
         });
         Ok(())
     }

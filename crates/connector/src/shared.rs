@@ -124,7 +124,7 @@ impl<T: Tier> Tier for SharedTier<T> {
     fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
         let mut inner = self.lock();
         let (id, request, op) = (job.id, job.request, job.op);
-        let keys = job.chunks.iter().map(|c| c.0).collect();
+        let keys = job.chunks.iter().map(|c| c.key).collect();
         let result = inner.tier.submit(job);
         let accepted = result.is_ok();
         inner.record(TierCall::Submit {

@@ -43,7 +43,9 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use offload_core::invariant;
-use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+};
 use offload_core::{
     ChunkKey, CoreError, HostPool, JobId, KvEvent, LookupResult, Medium, OffloadManager,
     PreparedStore, RequestId, SlotId,
@@ -239,9 +241,6 @@ impl std::fmt::Debug for TieringOptions {
     }
 }
 
-/// A chunk of a tier job: key, host slot, payload bytes.
-type Chunk = (ChunkKey, SlotId, u32);
-
 /// How long a reset sleeps (on the manager's clock) between two polls of the tiers.
 pub const RESET_DRAIN_POLL_INTERVAL_NS: u64 = 1_000_000;
 
@@ -249,7 +248,7 @@ pub const RESET_DRAIN_POLL_INTERVAL_NS: u64 = 1_000_000;
 #[derive(Debug)]
 struct QueuedCascade {
     request: RequestId,
-    chunks: Vec<Chunk>,
+    chunks: Vec<TierChunk>,
     queued_ns: u64,
 }
 
@@ -270,7 +269,7 @@ struct InFlight {
     /// The request the job was submitted for.
     request: RequestId,
     op: TierOp,
-    chunks: Vec<Chunk>,
+    chunks: Vec<TierChunk>,
     submitted_ns: u64,
     cancelled: bool,
     /// Still in flight when a reset ended: its host slots are held (out of use) until the tier
@@ -326,7 +325,7 @@ pub struct TieringManager {
     /// Host load pins: first key of each `prepare_load` call, with its start times.
     host_loads: BTreeMap<ChunkKey, VecDeque<u64>>,
     /// Promotions queued this step: one batch per (request, tier).
-    promotions: BTreeMap<(RequestId, usize), Vec<Chunk>>,
+    promotions: BTreeMap<(RequestId, usize), Vec<TierChunk>>,
     /// When each batch of `promotions` was first queued (a busy tier keeps it queued).
     promotions_queued_ns: BTreeMap<(RequestId, usize), u64>,
     /// Requests finished with no host store pending, waiting for queued cascades to go out.
@@ -739,7 +738,7 @@ impl TieringManager {
         self.promotions
             .entry((request, tier))
             .or_default()
-            .push((key, slot, len));
+            .push(TierChunk::new(key, slot, len));
         LookupResult::Pending
     }
 
@@ -791,8 +790,8 @@ impl TieringManager {
 
     /// Frees the host slots of promotions that will not happen; the requests waiting for them
     /// recompute, and `request` does not ask `tier` for these keys again.
-    fn cancel_promotion(&mut self, request: RequestId, tier: usize, chunks: &[Chunk]) {
-        let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
+    fn cancel_promotion(&mut self, request: RequestId, tier: usize, chunks: &[TierChunk]) {
+        let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.key).collect();
         self.host.complete_store(&keys, false);
         if let Some(r) = self.requests.get_mut(&request) {
             r.failed.extend(keys.iter().map(|&k| (k, tier)));
@@ -877,10 +876,10 @@ impl TieringManager {
                 ));
                 return;
             }
-            let chunks: Vec<Chunk> = keys
+            let chunks: Vec<TierChunk> = keys
                 .iter()
                 .zip(&slots)
-                .map(|(&k, &s)| (k, s, len))
+                .map(|(&k, &s)| TierChunk::new(k, s, len))
                 .collect();
             if !self.tiers[tier].cascades.is_empty() {
                 // Keep submission order: older cascades of this tier go first.
@@ -893,7 +892,7 @@ impl TieringManager {
         }
     }
 
-    fn queue_cascade(&mut self, tier: usize, request: RequestId, chunks: Vec<Chunk>) {
+    fn queue_cascade(&mut self, tier: usize, request: RequestId, chunks: Vec<TierChunk>) {
         let queued_ns = self.now();
         self.tiers[tier].cascades.push_back(QueuedCascade {
             request,
@@ -909,8 +908,8 @@ impl TieringManager {
         &mut self,
         tier: usize,
         request: RequestId,
-        chunks: Vec<Chunk>,
-    ) -> Option<Vec<Chunk>> {
+        chunks: Vec<TierChunk>,
+    ) -> Option<Vec<TierChunk>> {
         let id = self.allocate_job();
         let job = TierJob {
             id,
@@ -943,7 +942,7 @@ impl TieringManager {
             }
             Err(_) => {
                 entry.counters.jobs_dropped += 1;
-                let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+                let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
                 self.host.complete_load(&keys);
                 None
             }
@@ -986,7 +985,7 @@ impl TieringManager {
 
     /// Releases a queued cascade's host pins (it will not be submitted).
     fn unqueue_cascade(&mut self, cascade: &QueuedCascade) {
-        let keys: Vec<ChunkKey> = cascade.chunks.iter().map(|c| c.0).collect();
+        let keys: Vec<ChunkKey> = cascade.chunks.iter().map(|c| c.key).collect();
         self.host.complete_load(&keys);
         if let Some(r) = self.requests.get_mut(&cascade.request) {
             r.cascades_queued -= 1;
@@ -1144,7 +1143,7 @@ impl TieringManager {
         };
         if job.held {
             // From before a reset: its keys mean nothing now; only its slots' holds end.
-            let slots: Vec<SlotId> = job.chunks.iter().map(|c| c.1).collect();
+            let slots: Vec<SlotId> = job.chunks.iter().map(|c| c.slot).collect();
             self.host.release_held(&slots);
             self.tiers[tier].counters.reset_held_jobs_reported += 1;
             return;
@@ -1152,7 +1151,7 @@ impl TieringManager {
         let failed: BTreeSet<ChunkKey> = completion.failed.iter().copied().collect();
         if let Some(stray) = failed
             .iter()
-            .find(|k| !job.chunks.iter().any(|c| c.0 == **k))
+            .find(|k| !job.chunks.iter().any(|c| c.key == **k))
         {
             let name = self.tiers[tier].name.clone();
             self.broken(format_args!(
@@ -1174,13 +1173,13 @@ impl TieringManager {
         failed: &BTreeSet<ChunkKey>,
         elapsed: u64,
     ) {
-        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
         self.host.complete_load(&keys);
         let medium = self.tiers[tier].medium;
         let counters = &mut self.tiers[tier].counters;
         counters.store_ns += elapsed;
         let mut stored = Vec::new();
-        for &(key, _, len) in &job.chunks {
+        for &TierChunk { key, len, .. } in &job.chunks {
             if failed.contains(&key) {
                 counters.store_chunks_failed += 1;
             } else {
@@ -1203,7 +1202,7 @@ impl TieringManager {
     ) {
         let mut ok = Vec::new();
         let mut bad = Vec::new();
-        for &(key, _, _) in &job.chunks {
+        for &TierChunk { key, .. } in &job.chunks {
             if failed.contains(&key) {
                 bad.push(key);
             } else {
@@ -1435,7 +1434,7 @@ impl OffloadManager for TieringManager {
         let queued = std::mem::take(&mut self.promotions);
         self.promotions_queued_ns.clear();
         for chunks in queued.into_values() {
-            let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
+            let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.key).collect();
             self.host.complete_store(&keys, false);
         }
         // Tier I/O reads and writes host slots. The wait has a deadline, after which what is

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use connector::config::{ConfigError, ConnectorConfig, EngineGeometry, ResolvedConfig};
 use connector::registry::{TierFactory, TierRegistry, TierSettings};
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 
@@ -109,7 +109,7 @@ impl MemoryTier {
         }
         let mut keys = std::collections::BTreeSet::new();
         let mut written = std::collections::BTreeSet::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= self.memory.slot_count() {
                 return Some(format!("slot {} out of range", slot.0));
             }
@@ -184,7 +184,7 @@ impl MemoryTier {
                 continue;
             };
             let mut failed = Vec::new();
-            for &(key, slot, len) in &job.chunks {
+            for &TierChunk { key, slot, len } in &job.chunks {
                 let ok = !cancelled
                     && match job.op {
                         TierOp::Store => self.store_chunk(key, slot, len),
@@ -240,7 +240,7 @@ impl Tier for MemoryTier {
                 in_flight: self.in_flight.len(),
             });
         }
-        let bytes = job.chunks.iter().map(|c| u64::from(c.2)).sum();
+        let bytes = job.chunks.iter().map(|c| u64::from(c.len)).sum();
         let due = Instant::now() + self.settings.job_duration(bytes);
         let id = job.id;
         let cancelled = false;

@@ -24,7 +24,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use offload_core::tier::SubmitError;
+use offload_core::tier::{SubmitError, TierChunk};
 use offload_core::{
     ChunkKey, JobId, RequestId, SlotId, SlotMemory, Tier, TierCompletion, TierJob, TierLookup,
     TierOp,
@@ -465,7 +465,7 @@ impl PyTier {
             chunks: chunk_keys
                 .iter()
                 .zip(&slots)
-                .map(|(&k, &s)| (k, SlotId(s), len))
+                .map(|(&k, &s)| TierChunk::new(k, SlotId(s), len))
                 .collect(),
         };
         let mut st = lock(&self.state);

@@ -35,4 +35,4 @@ pub use scheduler::{
     SchedulerConfig, SchedulerStats, StepInput, StepRequest, UpdateOutcome,
 };
 pub use stats::Stats;
-pub use tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+pub use tier::{SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp};

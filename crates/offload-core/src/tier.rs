@@ -58,6 +58,25 @@ pub enum TierOp {
     Load,
 }
 
+/// One chunk of a [`TierJob`]: its key, its host slot, and how many payload bytes it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TierChunk {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// Its host slot: read by a store, written by a load.
+    pub slot: SlotId,
+    /// Payload bytes, at most the slot size (a partial chunk is shorter than a slot). A load
+    /// fills exactly this many bytes of the slot.
+    pub len: u32,
+}
+
+impl TierChunk {
+    /// A chunk of `len` payload bytes in `slot`.
+    pub const fn new(key: ChunkKey, slot: SlotId, len: u32) -> Self {
+        Self { key, slot, len }
+    }
+}
+
 /// One job submitted to a tier: the same operation on a set of chunks, each with its host slot.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierJob {
@@ -67,9 +86,8 @@ pub struct TierJob {
     pub request: Option<RequestId>,
     /// Direction.
     pub op: TierOp,
-    /// `(key, slot, len)`: the chunk, its host slot, and the number of payload bytes (a partial
-    /// chunk is shorter than a slot).
-    pub chunks: Vec<(ChunkKey, SlotId, u32)>,
+    /// The chunks, each with its host slot and payload length.
+    pub chunks: Vec<TierChunk>,
 }
 
 /// The single completion of a [`TierJob`].

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use engine_sim::rng::SplitMix64;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 use tier_testkit::{FakeTier, FakeTierConfig};
@@ -168,7 +168,7 @@ impl Tier for FaultTier {
             self.injected += 1;
             self.dead_jobs.push(TierCompletion {
                 id: job.id,
-                failed: job.chunks.iter().map(|c| c.0).collect(),
+                failed: job.chunks.iter().map(|c| c.key).collect(),
             });
             return Ok(());
         }
@@ -179,7 +179,8 @@ impl Tier for FaultTier {
         let mut failed = Vec::new();
         let mut kept = Vec::with_capacity(job.chunks.len());
         let mut corrupt = Vec::new();
-        for &(key, slot, len) in &job.chunks {
+        for &chunk in &job.chunks {
+            let TierChunk { key, slot, .. } = chunk;
             if whole || self.chance(self.faults.key_fail_ppm) {
                 failed.push((key, slot.0));
                 continue;
@@ -187,7 +188,7 @@ impl Tier for FaultTier {
             if job.op == TierOp::Load && self.chance(self.faults.corrupt_ppm) {
                 corrupt.push(key);
             }
-            kept.push((key, slot, len));
+            kept.push(chunk);
         }
         let delay = if self.enabled && self.faults.delay_polls_max > 0 {
             self.rng.below(u64::from(self.faults.delay_polls_max) + 1) as u32

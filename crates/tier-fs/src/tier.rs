@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 
@@ -370,7 +370,7 @@ impl FsTier {
                 job.id.0
             )));
         }
-        for (key, slot, len) in &job.chunks {
+        for TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= self.slot_count {
                 return Err(SubmitError::Invalid(format!(
                     "chunk {:#x}/{}: slot {} out of range (slot_count {})",
@@ -528,7 +528,7 @@ impl Tier for FsTier {
             return Err(SubmitError::ShutDown);
         };
         let id = job.id;
-        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
         match jobs.try_send(Msg::Job(job)) {
             Ok(()) => {
                 self.in_flight.insert(id, keys);

@@ -54,7 +54,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
-use offload_core::tier::{SlotMemory, TierCompletion, TierJob, TierOp};
+use offload_core::tier::{SlotMemory, TierChunk, TierCompletion, TierJob, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 
 use crate::config::Durability;
@@ -245,11 +245,8 @@ struct SlotSpanInfo {
     len: usize,
 }
 
-/// A job's chunk: key, host slot, payload length.
-type Chunk = (ChunkKey, SlotId, u32);
-
 /// A chunk with the index of its job in the group run together.
-type JobChunk = (usize, Chunk);
+type JobChunk = (usize, TierChunk);
 
 /// Runs one batch of the chunks of a group of jobs.
 type BatchFn = fn(&mut Worker, &[JobChunk], &mut Failed);
@@ -517,7 +514,7 @@ impl Worker {
         let bytes: u64 = job
             .chunks
             .iter()
-            .map(|&(_, _, len)| file_bytes(u64::from(len)))
+            .map(|&TierChunk { len, .. }| file_bytes(u64::from(len)))
             .fold(0, u64::saturating_add);
         let budget = self.settings.batch_bytes_max as u64;
         if job.op != TierOp::Load || bytes > budget || job.chunks.len() > BATCH_OPS_MAX {
@@ -545,20 +542,24 @@ impl Worker {
         };
         self.loads[n] = Some(ActiveLoad {
             id: job.id,
-            keys: job.chunks.iter().map(|&(key, _, _)| key).collect(),
+            keys: job
+                .chunks
+                .iter()
+                .map(|&TierChunk { key, .. }| key)
+                .collect(),
             bytes,
         });
         self.load_failed.reset(n);
         self.load_bytes += bytes;
         if self.is_cancelled(job.id) {
-            for &(key, _, _) in &job.chunks {
+            for &TierChunk { key, .. } in &job.chunks {
                 self.load_failed
                     .add(&self.shared.stats, n, key, FailureKind::Cancelled);
             }
         } else {
             self.prune_readers();
             let mut items = Vec::with_capacity(job.chunks.len());
-            for &(key, slot, len) in &job.chunks {
+            for &TierChunk { key, slot, len } in &job.chunks {
                 match self.prepare_load(n, key, slot, len) {
                     Ok(item) => items.push(item),
                     Err(kind) => self.load_failed.add(&self.shared.stats, n, key, kind),
@@ -771,7 +772,7 @@ impl Worker {
         }
         let mut failed = Failed::new(group.len());
         for (j, job) in group.iter().enumerate() {
-            for &(key, _, _) in &job.chunks {
+            for &TierChunk { key, .. } in &job.chunks {
                 failed.add(self.stats(), j, key, FailureKind::Io);
             }
         }
@@ -836,7 +837,7 @@ impl Worker {
         let mut bytes = 0u64;
         let mut end = start;
         while end < chunks.len() && end - start < BATCH_OPS_MAX {
-            let next = file_bytes(u64::from(chunks[end].1 .2));
+            let next = file_bytes(u64::from(chunks[end].1.len));
             if end > start && bytes + next > self.settings.batch_bytes_max as u64 {
                 break;
             }
@@ -859,7 +860,7 @@ impl Worker {
             let cancelled: Vec<bool> = ids.iter().map(|&id| self.is_cancelled(id)).collect();
             if cancelled.iter().any(|&c| c) {
                 let stats = &self.shared.stats;
-                chunks.retain(|&(j, (key, _, _))| {
+                chunks.retain(|&(j, TierChunk { key, .. })| {
                     if cancelled[j] {
                         failed.add(stats, j, key, FailureKind::Cancelled);
                     }
@@ -884,7 +885,7 @@ impl Worker {
         self.next_active += 1;
         let mut active = Active {
             id: job.id,
-            keys: job.chunks.iter().map(|c| c.0).collect(),
+            keys: job.chunks.iter().map(|c| c.key).collect(),
             failed: Failed::new(1),
             records: 0,
             written: Vec::new(),
@@ -892,7 +893,7 @@ impl Worker {
         };
         let mut todo = Vec::new();
         if self.is_cancelled(job.id) {
-            for &(key, _, _) in &job.chunks {
+            for &TierChunk { key, .. } in &job.chunks {
                 active
                     .failed
                     .add(self.stats(), 0, key, FailureKind::Cancelled);
@@ -900,7 +901,7 @@ impl Worker {
         } else {
             let mut seen = HashSet::new();
             let mut index = self.shared.index();
-            for &(key, slot, len) in &job.chunks {
+            for &TierChunk { key, slot, len } in &job.chunks {
                 if !seen.insert(key) {
                     continue;
                 }
@@ -1636,7 +1637,7 @@ impl Worker {
 
     fn load_batch(&mut self, chunks: &[JobChunk], failed: &mut Failed) {
         let mut items = Vec::with_capacity(chunks.len());
-        for &(j, (key, slot, len)) in chunks {
+        for &(j, TierChunk { key, slot, len }) in chunks {
             match self.prepare_load(j, key, slot, len) {
                 Ok(item) => items.push(item),
                 Err(kind) => failed.add(self.stats(), j, key, kind),
@@ -2338,7 +2339,10 @@ mod tests {
             id: JobId(id),
             request: None,
             op,
-            chunks,
+            chunks: chunks
+                .into_iter()
+                .map(|(key, slot, len)| TierChunk::new(key, slot, len))
+                .collect(),
         }
     }
 

@@ -515,7 +515,7 @@ fn store_jobs_share_one_append_stream(engine: EngineChoice) {
                 let n = 100 + 2 * j + c;
                 let slot = (2 * j + c) as u32;
                 fill_slot(&*rig.memory, offload_core::SlotId(slot), FULL as usize, n);
-                (key(n), offload_core::SlotId(slot), FULL)
+                offload_core::TierChunk::new(key(n), offload_core::SlotId(slot), FULL)
             })
             .collect();
         let job = offload_core::tier::TierJob {
@@ -734,7 +734,11 @@ fn shutdown_returns_at_its_deadline_when_the_disk_hangs_and_keeps_memory_and_dir
         id: offload_core::JobId(1),
         request: None,
         op: offload_core::tier::TierOp::Store,
-        chunks: vec![(key(1), offload_core::SlotId(0), FULL)],
+        chunks: vec![offload_core::TierChunk::new(
+            key(1),
+            offload_core::SlotId(0),
+            FULL,
+        )],
     };
     rig.tier.submit(job).expect("accepted");
     let start = std::time::Instant::now();
@@ -791,7 +795,11 @@ fn drain_returns_at_its_deadline_when_the_disk_hangs_and_the_job_is_reported_lat
         id: offload_core::JobId(1),
         request: None,
         op: offload_core::tier::TierOp::Store,
-        chunks: vec![(key(1), offload_core::SlotId(0), FULL)],
+        chunks: vec![offload_core::TierChunk::new(
+            key(1),
+            offload_core::SlotId(0),
+            FULL,
+        )],
     };
     rig.tier.submit(job).expect("accepted");
     let start = std::time::Instant::now();

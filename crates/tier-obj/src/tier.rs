@@ -17,7 +17,7 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use offload_core::event::Medium;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, RequestId, SlotId};
 use tokio::sync::{Notify, Semaphore};
@@ -404,7 +404,7 @@ async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
     let chunks = job.chunks.clone();
     let op = job.op;
     let inner = tokio::spawn(async move {
-        let work = chunks.iter().map(|&(key, slot, len)| {
+        let work = chunks.iter().map(|&TierChunk { key, slot, len }| {
             let shared = &inner_shared;
             let cancel = &cancel;
             async move { (key, shared.chunk(op, key, slot, len, cancel).await) }
@@ -420,7 +420,10 @@ async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
         Ok(failed) => failed,
         Err(e) => {
             tracing::error!(job = job.id.0, error = %e, "object tier: job task failed");
-            job.chunks.iter().map(|&(key, _, _)| key).collect()
+            job.chunks
+                .iter()
+                .map(|&TierChunk { key, .. }| key)
+                .collect()
         }
     };
     shared.finish(TierCompletion { id: job.id, failed });
@@ -513,7 +516,7 @@ impl ObjTier {
         }
         let slot_count = self.shared.memory.slot_count();
         let slot_bytes = self.shared.memory.slot_bytes();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= slot_count {
                 return Err(SubmitError::Invalid(format!(
                     "key {:#x}/{}: slot {} out of range ({slot_count} slots)",

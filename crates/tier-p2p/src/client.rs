@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use offload_core::tier::{SlotMemory, TierCompletion};
+use offload_core::tier::{SlotMemory, TierChunk, TierCompletion};
 use offload_core::{ChunkKey, JobId};
 
 use crate::config::P2pConfig;
@@ -499,7 +499,7 @@ impl Client {
             .iter()
             .zip(&done)
             .filter(|(_, &d)| !d)
-            .map(|(&(key, _, _), _)| key)
+            .map(|(&TierChunk { key, .. }, _)| key)
             .collect();
         Some(TierCompletion {
             id: work.id,
@@ -514,7 +514,7 @@ impl Client {
         let mut named = vec![0usize; self.peers.len()];
         let mut owning = vec![0usize; self.peers.len()];
         let missing = work.chunks.iter().zip(&work.hints).zip(done);
-        for ((&(key, _, _), hint), _) in missing.filter(|(_, &d)| !d) {
+        for ((&TierChunk { key, .. }, hint), _) in missing.filter(|(_, &d)| !d) {
             if let Some(p) = hint.map(usize::from).filter(|&p| p < named.len()) {
                 named[p] += 1;
             }
@@ -625,7 +625,7 @@ impl Client {
                 let local: Vec<bool> = work
                     .chunks
                     .iter()
-                    .map(|&(key, _, _)| published(&self.shared, key))
+                    .map(|&TierChunk { key, .. }| published(&self.shared, key))
                     .collect();
                 self.first_get(p, work, &local)
             }
@@ -681,12 +681,15 @@ impl Client {
         self.conn(p).read_exact(&mut prefix, "receive DATA")?;
         let (key, tag) = decode_data_prefix(&prefix);
         let payload_len = body_len - DATA_PREFIX_BYTES;
-        let Some(&i) = batch.iter().find(|&&i| work.chunks[i].0 == key && !done[i]) else {
+        let Some(&i) = batch
+            .iter()
+            .find(|&&i| work.chunks[i].key == key && !done[i])
+        else {
             return Err(Stop::Failed(
                 self.bad(p, format!("DATA for unrequested key {key:?}")),
             ));
         };
-        let (_, slot, len) = work.chunks[i];
+        let TierChunk { slot, len, .. } = work.chunks[i];
         if payload_len != len as usize {
             log(format_args!(
                 "peer {} sent {key:?} with {payload_len} bytes, expected {len}; not loaded",
@@ -982,5 +985,5 @@ fn receive_hashed(conn: &mut Conn, key: ChunkKey, dst: &mut [u8]) -> Result<u64,
 
 /// The keys of the chunks of `work` at `indexes`.
 fn keys_of(work: &Work, indexes: &[usize]) -> Vec<ChunkKey> {
-    indexes.iter().map(|&i| work.chunks[i].0).collect()
+    indexes.iter().map(|&i| work.chunks[i].key).collect()
 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
-use offload_core::tier::TierCompletion;
+use offload_core::tier::{TierChunk, TierCompletion};
 use offload_core::{ChunkKey, JobId, SlotId};
 
 use super::{Client, Stop};
@@ -103,7 +103,7 @@ impl Client {
         let Some(plane) = shared.nixl.get() else {
             return Ok(false);
         };
-        let keys = batch.iter().map(|&i| work.chunks[i].0).collect();
+        let keys = batch.iter().map(|&i| work.chunks[i].key).collect();
         let conn = self.conn(p);
         conn.set_deadline(work.deadline);
         conn.send(&Frame::NixlGet(keys), "send NIXL_GET")?;
@@ -189,7 +189,7 @@ impl Client {
         let (mut reads, mut targets) = (Vec::new(), Vec::new());
         for chunk in offered {
             let Some(b) =
-                (0..batch.len()).find(|&b| !claimed[b] && work.chunks[batch[b]].0 == chunk.key)
+                (0..batch.len()).find(|&b| !claimed[b] && work.chunks[batch[b]].key == chunk.key)
             else {
                 return Err(Stop::Failed(P2pError::Frame {
                     op: "receive NIXL_OFFER",
@@ -202,7 +202,7 @@ impl Client {
             };
             claimed[b] = true;
             let i = batch[b];
-            let (key, slot, len) = work.chunks[i];
+            let TierChunk { key, slot, len } = work.chunks[i];
             if chunk.len != len {
                 log(format_args!(
                     "peer {} offers {key:?} with {} bytes, expected {len}; not loaded",
@@ -246,7 +246,7 @@ impl Client {
 
     /// Checks chunk `i` (just READ into its slot) against `sum`; marks it done if it matches.
     fn verify_nixl(&mut self, p: usize, work: &Work, i: usize, sum: u64, done: &mut [bool]) {
-        let (key, slot, len) = work.chunks[i];
+        let TierChunk { key, slot, len } = work.chunks[i];
         let Some(ptr) = self.memory.slot_ptr(slot) else {
             return;
         };
@@ -290,7 +290,7 @@ impl Client {
             .iter()
             .zip(done)
             .filter(|(_, &d)| !d)
-            .map(|(&(key, _, _), _)| key)
+            .map(|(&TierChunk { key, .. }, _)| key)
             .collect();
         let slots: Vec<u32> = work
             .chunks

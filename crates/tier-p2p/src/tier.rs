@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use offload_core::event::Medium;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, RequestId};
 
@@ -422,7 +422,7 @@ impl P2pTier {
         }
         let mut keys = HashSet::new();
         let mut slots = HashSet::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= self.slot_count {
                 return Some(format!(
                     "slot {} out of range ({} slots)",
@@ -451,7 +451,7 @@ impl P2pTier {
         let hints = job
             .chunks
             .iter()
-            .map(|c| self.lookups.holder(c.0))
+            .map(|c| self.lookups.holder(c.key))
             .collect();
         let work = Work {
             id: job.id,
@@ -459,7 +459,7 @@ impl P2pTier {
             deadline,
             hints,
         };
-        let all_local = work.chunks.iter().all(|c| published(&self.shared, c.0));
+        let all_local = work.chunks.iter().all(|c| published(&self.shared, c.key));
         let in_flight = self.held.len();
         let refused = |full: bool| {
             if full {
@@ -549,7 +549,7 @@ impl Tier for P2pTier {
             return Ok(());
         }
         let (id, op) = (job.id, job.op);
-        let keys = job.chunks.iter().map(|c| c.0).collect();
+        let keys = job.chunks.iter().map(|c| c.key).collect();
         let route = self.dispatch(job)?;
         self.held.insert(id, Held { op, keys, route });
         Ok(())

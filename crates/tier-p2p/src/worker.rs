@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use offload_core::tier::{SlotMemory, TierCompletion};
-use offload_core::{ChunkKey, JobId, SlotId};
+use offload_core::tier::{SlotMemory, TierChunk, TierCompletion};
+use offload_core::{ChunkKey, JobId};
 
 use crate::shared::{lock, log, Shared};
 use crate::stats::add;
@@ -22,7 +22,7 @@ pub(crate) struct Work {
     /// The job.
     pub(crate) id: JobId,
     /// `(key, slot, len)` as submitted (validated).
-    pub(crate) chunks: Vec<(ChunkKey, SlotId, u32)>,
+    pub(crate) chunks: Vec<TierChunk>,
     /// When the job must be complete (loads: submission + `fetch_deadline`).
     pub(crate) deadline: Instant,
     /// For each chunk, the peer (index into the configured peers) that a lookup said holds it.
@@ -159,7 +159,7 @@ pub(crate) fn run_local(
                     .filter(|&&chunk| {
                         control.stopped(work.id) || !copy_local(shared, memory, chunk)
                     })
-                    .map(|&(key, _, _)| key)
+                    .map(|&TierChunk { key, .. }| key)
                     .collect();
                 TierCompletion {
                     id: work.id,
@@ -181,7 +181,7 @@ fn publish(
     work: &Work,
 ) -> TierCompletion {
     let mut failed = Vec::new();
-    for &(key, slot, len) in &work.chunks {
+    for &TierChunk { key, slot, len } in &work.chunks {
         if control.stopped(work.id) {
             failed.push(key);
             continue;
@@ -216,7 +216,7 @@ fn publish(
 pub(crate) fn copy_local(
     shared: &Shared,
     memory: &dyn SlotMemory,
-    (key, slot, len): (ChunkKey, SlotId, u32),
+    TierChunk { key, slot, len }: TierChunk,
 ) -> bool {
     let Some(chunk) = lock(&shared.store).get(key) else {
         return false;

@@ -76,7 +76,11 @@ fn published_chunks_are_evicted_least_recently_used_first() {
         id: JobId(7),
         request: None,
         op: offload_core::tier::TierOp::Store,
-        chunks: vec![(common::key(3), SlotId(3), BYTES)],
+        chunks: vec![offload_core::TierChunk::new(
+            common::key(3),
+            SlotId(3),
+            BYTES,
+        )],
     })
     .expect("store accepted");
     assert!(common::wait(&mut a, JobId(7), WAIT).is_success());
@@ -376,7 +380,7 @@ fn bytes_that_do_not_verify_are_never_loaded() {
     let (mut b, memory) = instance(vec![addr], |_| {});
     let chunks = common::submit_load(&mut b, JobId(1), &[0, 1, 2], 0, BYTES);
     let done = common::wait(&mut b, JobId(1), WAIT);
-    assert_eq!(done.failed, vec![chunks[0].0, chunks[1].0]);
+    assert_eq!(done.failed, vec![chunks[0].key, chunks[1].key]);
     common::expect_loaded(&*memory, &[2], 2, BYTES);
     let stats = b.stats();
     assert_eq!(stats.checksum_mismatches, 1, "{stats:?}");
@@ -432,7 +436,7 @@ fn shutdown_does_not_wait_for_a_stalled_peer() {
     let mut out: Vec<TierCompletion> = Vec::new();
     b.poll(&mut out);
     assert_eq!(out.len(), 1);
-    assert_eq!(out[0].failed, vec![chunks[0].0]);
+    assert_eq!(out[0].failed, vec![chunks[0].key]);
     peer.join().expect("fake peer");
 }
 
@@ -456,7 +460,11 @@ fn shutdown_skips_queued_pushes_instead_of_waiting_for_each() {
             id,
             request: None,
             op: offload_core::tier::TierOp::Store,
-            chunks: vec![(common::key(i), SlotId(i as u32), 4096)],
+            chunks: vec![offload_core::TierChunk::new(
+                common::key(i),
+                SlotId(i as u32),
+                4096,
+            )],
         })
         .expect("publish accepted");
         assert!(common::wait(&mut tier, id, Duration::from_secs(20)).is_success());

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
 
@@ -216,7 +216,7 @@ impl FakeTier {
         let slot_bytes = self.memory.slot_bytes();
         let mut keys = BTreeSet::new();
         let mut slots = BTreeSet::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= slot_count {
                 return Some(format!(
                     "slot {} out of range (slot_count {slot_count})",
@@ -243,8 +243,10 @@ impl FakeTier {
             if both_read {
                 continue;
             }
-            let held_slots: BTreeSet<SlotId> = held.job.chunks.iter().map(|c| c.1).collect();
-            if let Some(&(_, slot, _)) = job.chunks.iter().find(|c| held_slots.contains(&c.1)) {
+            let held_slots: BTreeSet<SlotId> = held.job.chunks.iter().map(|c| c.slot).collect();
+            if let Some(&TierChunk { slot, .. }) =
+                job.chunks.iter().find(|c| held_slots.contains(&c.slot))
+            {
                 return Some(format!(
                     "slot {} is owned by in-flight job {}",
                     slot.0, held.job.id.0
@@ -266,7 +268,7 @@ impl FakeTier {
         let job = held.job.clone();
         let failed = if cancelled {
             self.stats.jobs_cancelled += 1;
-            job.chunks.iter().map(|c| c.0).collect()
+            job.chunks.iter().map(|c| c.key).collect()
         } else {
             self.transfer(&job)
         };
@@ -277,7 +279,7 @@ impl FakeTier {
     /// Moves the job's chunks; returns the keys that failed.
     fn transfer(&mut self, job: &TierJob) -> Vec<ChunkKey> {
         let mut failed = Vec::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             let ok = match job.op {
                 TierOp::Store => self.store_chunk(key, slot, len as usize),
                 TierOp::Load => self.load_chunk(key, slot, len as usize),

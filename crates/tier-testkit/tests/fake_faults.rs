@@ -4,7 +4,9 @@
 
 use std::sync::Arc;
 
-use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, JobId, RequestId, SlotId};
 use tier_testkit::{FakeTier, FakeTierConfig, FaultPlan, VecSlotMemory};
 
@@ -21,7 +23,7 @@ fn job(id: u64, op: TierOp, chunks: &[(u64, u32, u32)]) -> TierJob {
         op,
         chunks: chunks
             .iter()
-            .map(|&(k, slot, len)| (key(k), SlotId(slot), len))
+            .map(|&(k, slot, len)| TierChunk::new(key(k), SlotId(slot), len))
             .collect(),
     }
 }

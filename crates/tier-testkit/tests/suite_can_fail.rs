@@ -80,7 +80,7 @@ impl Tier for Broken {
                 Break::SilentCorruption => self.corrupt(&completion),
                 Break::FailAllKeysOnPartialMiss if !completion.failed.is_empty() => {
                     if let Some(job) = self.loads.iter().find(|j| j.id == completion.id) {
-                        completion.failed = job.chunks.iter().map(|c| c.0).collect();
+                        completion.failed = job.chunks.iter().map(|c| c.key).collect();
                     }
                 }
                 _ => {}
@@ -122,7 +122,9 @@ impl Broken {
         let Some(job) = self.loads.iter().find(|j| j.id == completion.id) else {
             return;
         };
-        if let (true, Some(&(_, slot, _))) = (completion.is_success(), job.chunks.first()) {
+        if let (true, Some(&offload_core::TierChunk { slot, .. })) =
+            (completion.is_success(), job.chunks.first())
+        {
             let mut byte = [0u8];
             self.memory.read_slot(slot, 0, &mut byte);
             self.memory.write_slot(slot, 0, &[byte[0] ^ 1]);

@@ -15,7 +15,7 @@ mod harness;
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, SubmitError, Tier, TierJob, TierLookup, TierOp};
+use offload_core::tier::{SlotMemory, SubmitError, Tier, TierChunk, TierJob, TierLookup, TierOp};
 use offload_core::{ChunkKey, RequestId, SlotId};
 
 use crate::memory::VecSlotMemory;
@@ -171,9 +171,9 @@ fn seed_of(index: u64) -> u64 {
 }
 
 /// Fills `slot` with key `index`'s bytes and returns its chunk entry.
-fn prepared(h: &Harness, index: u64, slot: u32, len: u32) -> (ChunkKey, SlotId, u32) {
+fn prepared(h: &Harness, index: u64, slot: u32, len: u32) -> TierChunk {
     h.fill(SlotId(slot), len, seed_of(index));
-    (h.key(index), SlotId(slot), len)
+    TierChunk::new(h.key(index), SlotId(slot), len)
 }
 
 /// Stores keys `(index, slot, len)` in one job and fails unless it succeeds.
@@ -196,7 +196,7 @@ fn load_ok(h: &mut Harness, entries: &[(u64, u32, u32)], what: &str) {
     }
     let chunks = entries
         .iter()
-        .map(|&(i, slot, len)| (h.key(i), SlotId(slot), len))
+        .map(|&(i, slot, len)| TierChunk::new(h.key(i), SlotId(slot), len))
         .collect();
     let job = h.job(TierOp::Load, chunks);
     let id = h.submit(&job);
@@ -277,7 +277,7 @@ pub fn every_accepted_job_completes_once(config: &SuiteConfig, make: &mut MakeTi
         } else {
             200 + u64::from(index)
         };
-        let chunk = (
+        let chunk = TierChunk::new(
             h.key(key_index),
             SlotId(16 + index),
             lens[index as usize % 4],
@@ -299,9 +299,9 @@ pub fn refused_submit_has_no_effect(config: &SuiteConfig, make: &mut MakeTier<'_
     let refused = [
         vec![
             prepared(&h, 0, 0, slot_bytes),
-            (h.key(1), SlotId(outside), slot_bytes),
+            TierChunk::new(h.key(1), SlotId(outside), slot_bytes),
         ],
-        vec![(h.key(2), SlotId(1), slot_bytes + 1)],
+        vec![TierChunk::new(h.key(2), SlotId(1), slot_bytes + 1)],
     ];
     for chunks in refused {
         let job = h.job(TierOp::Store, chunks);
@@ -353,9 +353,9 @@ pub fn load_of_missing_key_fails_only_that_key(config: &SuiteConfig, make: &mut 
     }
     let missing = h.key(1);
     let chunks = vec![
-        (h.key(0), SlotId(8), lens[0]),
-        (missing, SlotId(9), lens[0]),
-        (h.key(2), SlotId(10), lens[1]),
+        TierChunk::new(h.key(0), SlotId(8), lens[0]),
+        TierChunk::new(missing, SlotId(9), lens[0]),
+        TierChunk::new(h.key(2), SlotId(10), lens[1]),
     ];
     let job = h.job(TierOp::Load, chunks);
     let id = h.submit(&job);
@@ -378,7 +378,10 @@ pub fn load_of_missing_key_fails_only_that_key(config: &SuiteConfig, make: &mut 
         seed_of(2),
         "present key loaded beside a missing one",
     );
-    let only_missing = h.job(TierOp::Load, vec![(h.key(5), SlotId(11), lens[2])]);
+    let only_missing = h.job(
+        TierOp::Load,
+        vec![TierChunk::new(h.key(5), SlotId(11), lens[2])],
+    );
     let id = h.submit(&only_missing);
     let done = h.wait(id);
     if done.failed != [h.key(5)] {
@@ -437,8 +440,8 @@ pub fn cancel_still_completes_once(config: &SuiteConfig, make: &mut MakeTier<'_>
     let load = h.job(
         TierOp::Load,
         vec![
-            (h.key(10), SlotId(16), lens[0]),
-            (h.key(11), SlotId(17), lens[1]),
+            TierChunk::new(h.key(10), SlotId(16), lens[0]),
+            TierChunk::new(h.key(11), SlotId(17), lens[1]),
         ],
     );
     h.submit(&load);
@@ -489,7 +492,10 @@ pub fn shutdown_refuses_submit_and_returns_pending(config: &SuiteConfig, make: &
         let job = h.job(TierOp::Store, vec![chunk]);
         h.submit(&job);
     }
-    let load = h.job(TierOp::Load, vec![(h.key(0), SlotId(8), lens[0])]);
+    let load = h.job(
+        TierOp::Load,
+        vec![TierChunk::new(h.key(0), SlotId(8), lens[0])],
+    );
     h.submit(&load);
     h.shutdown();
     h.expect_all_returned_by_one_poll("shutdown");
@@ -557,7 +563,11 @@ pub fn many_jobs_in_flight(config: &SuiteConfig, make: &mut MakeTier<'_>) {
     for index in 0..key_count {
         let job = h.job(
             TierOp::Store,
-            vec![(h.key(index), SlotId(slot_of(index)), len_of(index))],
+            vec![TierChunk::new(
+                h.key(index),
+                SlotId(slot_of(index)),
+                len_of(index),
+            )],
         );
         stores.push(h.submit(&job));
     }
@@ -570,7 +580,10 @@ pub fn many_jobs_in_flight(config: &SuiteConfig, make: &mut MakeTier<'_>) {
             let index = round * u64::from(half) + offset;
             let slot = SlotId(half + offset as u32);
             h.fill(slot, lens[0], 0xBAD0_0000 + index);
-            let job = h.job(TierOp::Load, vec![(h.key(index), slot, len_of(index))]);
+            let job = h.job(
+                TierOp::Load,
+                vec![TierChunk::new(h.key(index), slot, len_of(index))],
+            );
             loads.push((h.submit(&job), index, slot));
         }
         for &(id, index, slot) in &loads {
