@@ -47,10 +47,10 @@ impl<T: Tier> Tier for FailingTier<T> {
         if !(self.fails)(&job) {
             return self.tier.submit(job);
         }
-        self.failed.push(TierCompletion {
-            id: job.id,
-            failed: job.chunks.iter().map(|c| c.key).collect(),
-        });
+        let keys = job.chunks.iter().map(|c| c.key);
+        let kind = offload_core::tier::TierFailure::Io;
+        self.failed
+            .push(TierCompletion::all_failed(job.id, keys, kind));
         Ok(())
     }
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {

@@ -499,7 +499,7 @@ impl PyTier {
             let failed = if c.failed.is_empty() {
                 Vec::new()
             } else {
-                let failed: std::collections::HashSet<ChunkKey> = c.failed.into_iter().collect();
+                let failed: std::collections::HashSet<ChunkKey> = c.failed_keys().collect();
                 keys.iter()
                     .enumerate()
                     .filter(|(_, k)| failed.contains(k))

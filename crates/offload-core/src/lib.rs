@@ -35,4 +35,7 @@ pub use scheduler::{
     SchedulerConfig, SchedulerStats, StepInput, StepRequest, UpdateOutcome,
 };
 pub use stats::Stats;
-pub use tier::{SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp};
+pub use tier::{
+    FailedKey, SlotMemory, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
+};

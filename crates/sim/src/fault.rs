@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use engine_sim::rng::SplitMix64;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 use tier_testkit::{FakeTier, FakeTierConfig};
@@ -166,10 +167,10 @@ impl Tier for FaultTier {
         }
         if self.dead {
             self.injected += 1;
-            self.dead_jobs.push(TierCompletion {
-                id: job.id,
-                failed: job.chunks.iter().map(|c| c.key).collect(),
-            });
+            let keys = job.chunks.iter().map(|c| c.key);
+            let kind = TierFailure::TierDown;
+            self.dead_jobs
+                .push(TierCompletion::all_failed(job.id, keys, kind));
             return Ok(());
         }
         let whole = match job.op {
@@ -243,8 +244,8 @@ impl Tier for FaultTier {
                     self.memory
                         .write_slot(offload_core::SlotId(slot), 0, &garbage);
                 }
-                if !c.failed.contains(&key) {
-                    c.failed.push(key);
+                if c.failure_of(key).is_none() {
+                    c.failed.push(FailedKey::new(key, TierFailure::Io));
                 }
             }
         }

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use offload_core::tier::TierFailure;
+
 /// Why a chunk of a job failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
@@ -45,6 +47,24 @@ impl FailureKind {
 
     fn index(self) -> usize {
         self as usize
+    }
+
+    /// The kind a [`TierCompletion`](offload_core::tier::TierCompletion) reports for it: a torn
+    /// or mislabelled record is corrupt, a full disk or refused write an I/O failure, a dead
+    /// worker the tier down.
+    pub fn tier_failure(self) -> TierFailure {
+        match self {
+            FailureKind::Missing => TierFailure::Missing,
+            FailureKind::Cancelled => TierFailure::Cancelled,
+            FailureKind::Capacity
+            | FailureKind::NoSpace
+            | FailureKind::Io
+            | FailureKind::ShortWrite => TierFailure::Io,
+            FailureKind::ShortRead | FailureKind::Corrupt | FailureKind::LengthMismatch => {
+                TierFailure::Corrupt
+            }
+            FailureKind::Unavailable => TierFailure::TierDown,
+        }
     }
 }
 

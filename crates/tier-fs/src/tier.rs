@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 
@@ -406,11 +407,11 @@ impl FsTier {
             .collect();
         orphans.sort_by_key(|(id, _)| *id);
         for (id, keys) in orphans {
-            let mut failed = Vec::new();
+            let mut failed: Vec<FailedKey> = Vec::new();
             for key in keys {
-                if !failed.contains(&key) {
+                if !failed.iter().any(|f| f.key == key) {
                     self.shared.stats.fail(FailureKind::Unavailable);
-                    failed.push(key);
+                    failed.push(FailedKey::new(key, TierFailure::TierDown));
                 }
             }
             self.ready.push_back(TierCompletion { id, failed });

@@ -54,7 +54,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
-use offload_core::tier::{SlotMemory, TierChunk, TierCompletion, TierJob, TierOp};
+use offload_core::tier::{FailedKey, SlotMemory, TierChunk, TierCompletion, TierJob, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 
 use crate::config::Durability;
@@ -162,7 +162,7 @@ pub(crate) struct WorkerSettings {
 /// their number: each key once per job, in first-failure order.
 #[derive(Default)]
 struct Failed {
-    jobs: Vec<(Vec<ChunkKey>, HashSet<ChunkKey>)>,
+    jobs: Vec<(Vec<FailedKey>, HashSet<ChunkKey>)>,
 }
 
 impl Failed {
@@ -176,7 +176,7 @@ impl Failed {
         stats.fail(kind);
         let (keys, seen) = &mut self.jobs[job];
         if seen.insert(key) {
-            keys.push(key);
+            keys.push(FailedKey::new(key, kind.tier_failure()));
         }
     }
 
@@ -189,12 +189,12 @@ impl Failed {
     }
 
     /// Job `job`'s failed keys, leaving none.
-    fn take(&mut self, job: usize) -> Vec<ChunkKey> {
+    fn take(&mut self, job: usize) -> Vec<FailedKey> {
         std::mem::take(&mut self.jobs[job]).0
     }
 
     /// Each job's failed keys, in job order.
-    fn into_keys(self) -> impl Iterator<Item = Vec<ChunkKey>> {
+    fn into_keys(self) -> impl Iterator<Item = Vec<FailedKey>> {
         self.jobs.into_iter().map(|(keys, _)| keys)
     }
 }
@@ -2402,7 +2402,10 @@ mod tests {
         assert_eq!(ids, (100..108).collect::<Vec<_>>());
         for c in &done {
             let expected = if c.id == JobId(103) {
-                vec![key(99)]
+                vec![FailedKey::new(
+                    key(99),
+                    offload_core::tier::TierFailure::Missing,
+                )]
             } else {
                 Vec::new()
             };

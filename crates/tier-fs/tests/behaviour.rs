@@ -8,7 +8,7 @@ use std::fs;
 use std::sync::Arc;
 
 use common::*;
-use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup};
 use tier_fs::{
     EngineChoice, FailureKind, Fault, FaultPlan, FaultRule, FaultSite, FsError, FsTier,
     FsTierConfig,
@@ -82,7 +82,10 @@ fn round_trip(engine: EngineChoice) {
     assert_eq!(stats.chunks_loaded, 4);
     // A load asking for another length fails that key only and keeps the file.
     let done = rig.load(&[(key(4), 9, 4999), (key(1), 10, FULL)]);
-    assert_eq!(done.failed, vec![key(4)]);
+    assert_eq!(
+        done.failed,
+        vec![FailedKey::new(key(4), TierFailure::Corrupt)]
+    );
     assert!(rig.slot_is(10, FULL, 101));
     assert_eq!(rig.lookup(key(4)), TierLookup::Hit);
     assert_eq!(rig.tier.stats().failures_of(FailureKind::LengthMismatch), 1);
@@ -263,7 +266,11 @@ fn enospc_fails_cleanly(engine: EngineChoice) {
         let mut rig = faulty(engine, dir.path(), rules);
         let chunks = four_chunks();
         let done = rig.store(&chunks);
-        assert_eq!(done.failed, vec![key(2)], "{site:?}");
+        assert_eq!(
+            done.failed,
+            vec![FailedKey::new(key(2), TierFailure::Io)],
+            "{site:?}"
+        );
         assert!(files_with_suffix(dir.path(), ".tmp").is_empty(), "{site:?}");
         assert_eq!(rig.tier.chunk_count(), 3, "{site:?}");
         assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
@@ -288,12 +295,18 @@ fn eio_fails_the_key(engine: EngineChoice) {
     ];
     let mut rig = faulty(engine, dir.path(), rules);
     let chunks = four_chunks();
-    assert_eq!(rig.store(&chunks).failed, vec![key(2)]);
+    assert_eq!(
+        rig.store(&chunks).failed,
+        vec![FailedKey::new(key(2), TierFailure::Io)]
+    );
     assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
     assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
     assert!(rig.store(&chunks).is_success());
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    assert_eq!(rig.load(&loads).failed, vec![key(3)]);
+    assert_eq!(
+        rig.load(&loads).failed,
+        vec![FailedKey::new(key(3), TierFailure::Io)]
+    );
     assert!(rig.slot_is(8, FULL, 101));
     // A read error may be transient: the file stays and loads next time.
     assert_eq!(rig.lookup(key(3)), TierLookup::Hit);
@@ -306,7 +319,10 @@ fn short_write_fails_the_key(engine: EngineChoice) {
     let rules = vec![FaultRule::on_key(FaultSite::Write, Fault::Short, key(1)).times(1)];
     let mut rig = faulty(engine, dir.path(), rules);
     let chunks = four_chunks();
-    assert_eq!(rig.store(&chunks).failed, vec![key(1)]);
+    assert_eq!(
+        rig.store(&chunks).failed,
+        vec![FailedKey::new(key(1), TierFailure::Io)]
+    );
     assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
     assert_eq!(rig.tier.chunk_count(), 3);
     assert_eq!(rig.tier.used_bytes(), chunk_file_bytes(dir.path()));
@@ -323,7 +339,10 @@ fn short_read_removes_the_file(engine: EngineChoice) {
     let chunks = four_chunks();
     assert!(rig.store(&chunks).is_success());
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    assert_eq!(rig.load(&loads).failed, vec![key(2)]);
+    assert_eq!(
+        rig.load(&loads).failed,
+        vec![FailedKey::new(key(2), TierFailure::Corrupt)]
+    );
     for &(_, slot, len, seed) in [chunks[0], chunks[2], chunks[3]].iter() {
         assert!(rig.slot_is(slot + 8, len, seed));
     }
@@ -350,7 +369,7 @@ fn corruption_is_detected_and_quarantined(engine: EngineChoice) {
     bytes[offset as usize + 4096 + 10] ^= 0xFF;
     fs::write(&path, bytes).unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    let mut failed = rig.load(&loads).failed;
+    let mut failed = rig.load(&loads).failed_keys().collect::<Vec<_>>();
     failed.sort();
     let mut expected = vec![key(1), key(3), key(4)];
     expected.sort();
@@ -384,7 +403,7 @@ fn every_nth_rule_and_durable_stores(engine: EngineChoice) {
     let kept: Vec<_> = chunks
         .iter()
         .copied()
-        .filter(|c| !done.failed.contains(&c.0))
+        .filter(|c| done.failure_of(c.0).is_none())
         .collect();
     load_and_check(&mut rig, &kept);
 }
@@ -412,14 +431,17 @@ fn zero_copy_faults_are_caught(engine: EngineChoice) {
     }
     let aligned = rig.memory.slot_ptr(offload_core::SlotId(0)).is_some();
     let chunks: Vec<_> = (1..=5).map(|n| (key(n), n as u32, FULL, 200 + n)).collect();
-    assert_eq!(rig.store(&chunks).failed, vec![key(2)]);
+    assert_eq!(
+        rig.store(&chunks).failed,
+        vec![FailedKey::new(key(2), TierFailure::Io)]
+    );
     // Four zero-copy writes (key(2)'s short one included); key(1)'s corrupted one bounced.
     let expected_ops = if aligned { 4 } else { 0 };
     assert_eq!(rig.tier.stats().zero_copy_ops, expected_ops);
     // key(1) was stored corrupted (and still indexed): its load must fail.
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    let mut failed = rig.load(&loads[..1]).failed;
-    failed.extend(rig.load(&loads[2..]).failed);
+    let mut failed = rig.load(&loads[..1]).failed_keys().collect::<Vec<_>>();
+    failed.extend(rig.load(&loads[2..]).failed_keys());
     failed.sort();
     let mut expected = vec![key(1), key(3), key(4)];
     expected.sort();
@@ -459,7 +481,7 @@ fn neighbouring_records_are_read_at_once(engine: EngineChoice) {
         .set_len(third + 4096)
         .unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    let mut failed = rig.load(&loads).failed;
+    let mut failed = rig.load(&loads).failed_keys().collect::<Vec<_>>();
     failed.sort();
     let mut expected = vec![key(3), key(4)];
     expected.sort();
@@ -489,7 +511,10 @@ fn corrupt_record_inside_a_merged_read_fails_alone(engine: EngineChoice) {
     bytes[second as usize + 4096 + 100] ^= 0xFF;
     fs::write(&path, bytes).unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    assert_eq!(rig.load(&loads).failed, vec![key(2)]);
+    assert_eq!(
+        rig.load(&loads).failed,
+        vec![FailedKey::new(key(2), TierFailure::Corrupt)]
+    );
     // The four records were read at once (bounce-buffered loads only).
     let merged = if zero_copy_loads { 0 } else { 4 };
     assert_eq!(rig.tier.stats().reads_merged, merged);

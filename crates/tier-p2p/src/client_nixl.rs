@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
-use offload_core::tier::{TierChunk, TierCompletion};
+use offload_core::tier::{FailedKey, TierChunk, TierCompletion};
 use offload_core::{ChunkKey, JobId, SlotId};
 
 use super::{Client, Stop};
@@ -36,7 +36,7 @@ pub(super) const PARKED_CHECK: Duration = Duration::from_millis(10);
 pub(super) struct Parked {
     job: JobId,
     /// The job's keys not loaded (all of them fail when it completes).
-    failed: Vec<ChunkKey>,
+    failed: Vec<FailedKey>,
     read: StuckRead,
     peer: SocketAddr,
     since: Instant,
@@ -262,6 +262,7 @@ impl Client {
                 "peer {} sent {key:?} by NIXL with a checksum or MAC mismatch; not loaded",
                 self.peers[p].addr
             ));
+            self.corrupt.push(key);
             return;
         }
         done[i] = true;
@@ -285,19 +286,20 @@ impl Client {
     /// Parks `work` behind its stuck READ from peer `p`: its slots stay the job's (quarantined)
     /// until NIXL ends the READ. Counted and logged.
     pub(super) fn park(&mut self, p: usize, work: &Work, done: &[bool], read: StuckRead) {
-        let failed: Vec<ChunkKey> = work
+        let kind = self.failure_kind(work, false);
+        let failed: Vec<FailedKey> = work
             .chunks
             .iter()
             .zip(done)
             .filter(|(_, &d)| !d)
-            .map(|(&TierChunk { key, .. }, _)| key)
+            .map(|(&TierChunk { key, .. }, _)| FailedKey::new(key, kind))
             .collect();
         let slots: Vec<u32> = work
             .chunks
             .iter()
             .zip(done)
             .filter(|(_, &d)| !d)
-            .map(|(&(_, slot, _), _)| slot.0)
+            .map(|(&TierChunk { slot, .. }, _)| slot.0)
             .collect();
         add(&self.shared.counters.nixl_reads_quarantined, 1);
         self.control.set_quarantined(work.id, true);

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use offload_core::event::Medium;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
 };
 use offload_core::{ChunkKey, JobId, RequestId};
 
@@ -337,17 +338,18 @@ impl P2pTier {
             debug_assert!(false, "completion of a job not in flight");
             return;
         };
-        debug_assert!(completion.failed.iter().all(|k| held.keys.contains(k)));
+        debug_assert!(completion.failed_keys().all(|k| held.keys.contains(&k)));
         self.control.forget(completion.id);
         if held.op == TierOp::Store {
-            self.push(held.keys, &completion.failed);
+            let failed: Vec<ChunkKey> = completion.failed_keys().collect();
+            self.push(held.keys, &failed);
         }
         if held.op == TierOp::Load {
             add(
                 &self.shared.counters.load_keys_failed,
                 completion.failed.len() as u64,
             );
-            for &key in &completion.failed {
+            for key in completion.failed_keys() {
                 self.lookups.forget(key);
             }
         }
@@ -406,12 +408,12 @@ impl P2pTier {
             .collect();
         for id in orphans {
             log(format_args!("job {}: its worker is gone; failing it", id.0));
-            let failed = self
+            let keys = self
                 .held
                 .get(&id)
                 .map(|h| h.keys.clone())
                 .unwrap_or_default();
-            self.complete(TierCompletion { id, failed });
+            self.complete(TierCompletion::all_failed(id, keys, TierFailure::TierDown));
         }
     }
 
@@ -542,10 +544,7 @@ impl Tier for P2pTier {
             });
         }
         if job.chunks.is_empty() {
-            self.ready.push(TierCompletion {
-                id: job.id,
-                failed: Vec::new(),
-            });
+            self.ready.push(TierCompletion::success(job.id));
             return Ok(());
         }
         let (id, op) = (job.id, job.op);
@@ -588,9 +587,10 @@ impl Tier for P2pTier {
                             .filter(|&id| !self.control.quarantined(id))
                             .collect();
                         for id in ids {
-                            let failed = self.held.get(&id).map(|h| h.keys.clone());
-                            let failed = failed.unwrap_or_default();
-                            self.complete(TierCompletion { id, failed });
+                            let keys = self.held.get(&id).map(|h| h.keys.clone());
+                            let keys = keys.unwrap_or_default();
+                            let kind = TierFailure::TierDown;
+                            self.complete(TierCompletion::all_failed(id, keys, kind));
                         }
                     }
                 }

@@ -11,7 +11,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup};
 use offload_core::JobId;
 use tier_p2p::frame::{Frame, FrameKind, DATA_PREFIX_BYTES, HEADER_BYTES, KEY_BYTES};
 use tier_p2p::{P2pConfig, P2pTier};
@@ -110,7 +110,10 @@ fn forged_payload_with_a_matching_xxh3_fails_its_keys() {
     let done = common::wait(&mut b, JobId(1), WAIT);
     assert_eq!(
         done.failed,
-        vec![common::key(0), common::key(1)],
+        vec![
+            FailedKey::new(common::key(0), TierFailure::Corrupt),
+            FailedKey::new(common::key(1), TierFailure::Corrupt)
+        ],
         "forged chunks must fail their keys"
     );
     let stats = b.stats();

@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
 
@@ -268,7 +269,9 @@ impl FakeTier {
         let job = held.job.clone();
         let failed = if cancelled {
             self.stats.jobs_cancelled += 1;
-            job.chunks.iter().map(|c| c.key).collect()
+            let keys = job.chunks.iter().map(|c| c.key);
+            keys.map(|key| FailedKey::new(key, TierFailure::Cancelled))
+                .collect()
         } else {
             self.transfer(&job)
         };
@@ -277,41 +280,43 @@ impl FakeTier {
     }
 
     /// Moves the job's chunks; returns the keys that failed.
-    fn transfer(&mut self, job: &TierJob) -> Vec<ChunkKey> {
+    fn transfer(&mut self, job: &TierJob) -> Vec<FailedKey> {
         let mut failed = Vec::new();
         for &TierChunk { key, slot, len } in &job.chunks {
-            let ok = match job.op {
+            let moved = match job.op {
                 TierOp::Store => self.store_chunk(key, slot, len as usize),
                 TierOp::Load => self.load_chunk(key, slot, len as usize),
             };
-            if !ok {
-                failed.push(key);
+            if let Err(kind) = moved {
+                failed.push(FailedKey::new(key, kind));
             }
         }
         failed
     }
 
-    fn store_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> bool {
+    /// An injected store failure is an I/O failure.
+    fn store_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> Result<(), TierFailure> {
         if self.config.faults.store_fail.contains(&key) {
-            return false;
+            return Err(TierFailure::Io);
         }
         let mut bytes = vec![0u8; len];
         self.memory.read_slot(slot, 0, &mut bytes);
         let checksum = checksum(&bytes);
         self.chunks.insert(key, StoredChunk { bytes, checksum });
-        true
+        Ok(())
     }
 
-    fn load_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> bool {
+    /// An injected load failure is an I/O failure, a length or checksum mismatch corruption.
+    fn load_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> Result<(), TierFailure> {
         if self.config.faults.load_fail.contains(&key) {
-            return false;
+            return Err(TierFailure::Io);
         }
         let Some(chunk) = self.chunks.get(&key) else {
-            return false;
+            return Err(TierFailure::Missing);
         };
         if chunk.bytes.len() != len {
             // A load must ask for exactly the stored length; anything else is a short read.
-            return false;
+            return Err(TierFailure::Corrupt);
         }
         let expected = chunk.checksum;
         let mut bytes = chunk.bytes.clone();
@@ -326,9 +331,9 @@ impl FakeTier {
         if checksum(&landed) != expected {
             self.stats.corruption_detected += 1;
             self.chunks.remove(&key);
-            return false;
+            return Err(TierFailure::Corrupt);
         }
-        true
+        Ok(())
     }
 
     /// Completes every held job that is not done: run it, or fail it when `cancel` or stalled.

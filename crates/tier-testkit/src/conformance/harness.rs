@@ -190,7 +190,7 @@ impl Harness {
         }
         let keys: BTreeSet<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
         let mut seen = BTreeSet::new();
-        for key in &completion.failed {
+        for key in &completion.failed_keys().collect::<Vec<_>>() {
             if !keys.contains(key) {
                 self.fail(format!(
                     "job {} lists failed key {key:?} that it does not name",

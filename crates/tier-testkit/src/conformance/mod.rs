@@ -15,7 +15,9 @@ mod harness;
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, SubmitError, Tier, TierChunk, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierFailure, TierJob, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, RequestId, SlotId};
 
 use crate::memory::VecSlotMemory;
@@ -360,9 +362,9 @@ pub fn load_of_missing_key_fails_only_that_key(config: &SuiteConfig, make: &mut 
     let job = h.job(TierOp::Load, chunks);
     let id = h.submit(&job);
     let done = h.wait(id);
-    if done.failed != [missing] {
+    if done.failed != [FailedKey::new(missing, TierFailure::Missing)] {
         h.fail(format!(
-            "load with one missing key {missing:?} failed keys {:?}",
+            "load with one missing key {missing:?} failed keys {:?} (expected it alone, Missing)",
             done.failed
         ));
     }
@@ -384,9 +386,9 @@ pub fn load_of_missing_key_fails_only_that_key(config: &SuiteConfig, make: &mut 
     );
     let id = h.submit(&only_missing);
     let done = h.wait(id);
-    if done.failed != [h.key(5)] {
+    if done.failed != [FailedKey::new(h.key(5), TierFailure::Missing)] {
         h.fail(format!(
-            "load of one missing key failed keys {:?}",
+            "load of one missing key failed keys {:?} (expected it, Missing)",
             done.failed
         ));
     }
@@ -413,7 +415,7 @@ pub fn cancel_still_completes_once(config: &SuiteConfig, make: &mut MakeTier<'_>
     let mut loadable = Vec::new();
     for &(index, slot, len) in &entries {
         let key = h.key(index);
-        if !done.failed.contains(&key) {
+        if done.failure_of(key).is_none() {
             h.expect_lookup(
                 key,
                 TierLookup::Hit,
@@ -448,7 +450,7 @@ pub fn cancel_still_completes_once(config: &SuiteConfig, make: &mut MakeTier<'_>
     h.tier().cancel(load.id);
     let done = h.wait(load.id);
     for (index, slot, len) in [(10, 16, lens[0]), (11, 17, lens[1])] {
-        if !done.failed.contains(&h.key(index)) {
+        if done.failure_of(h.key(index)).is_none() {
             h.expect_slot(
                 SlotId(slot),
                 len,
