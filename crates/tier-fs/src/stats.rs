@@ -131,6 +131,9 @@ pub struct FsStats {
     pub threads_detached: u64,
     /// Drains that returned at `drain_deadline` with jobs still in flight (reported later).
     pub drain_timeouts: u64,
+    /// Completions from the workers that the job book refused (a second one for a job, a stray
+    /// failed key): never handed out; a broken invariant (debug builds panic).
+    pub invariant_failures: u64,
     /// Injected stalls entered (tests).
     pub stalls: u64,
     /// Failed chunks by kind, indexed like [`FailureKind::ALL`].
@@ -178,6 +181,7 @@ pub(crate) struct StatsCell {
     pub(crate) shutdown_timeouts: AtomicU64,
     pub(crate) threads_detached: AtomicU64,
     pub(crate) drain_timeouts: AtomicU64,
+    pub(crate) invariant_failures: AtomicU64,
     pub(crate) stalls: AtomicU64,
     failures: [AtomicU64; 10],
 }
@@ -226,6 +230,7 @@ impl StatsCell {
             shutdown_timeouts: get(&self.shutdown_timeouts),
             threads_detached: get(&self.threads_detached),
             drain_timeouts: get(&self.drain_timeouts),
+            invariant_failures: get(&self.invariant_failures),
             stalls: get(&self.stalls),
             failures,
         }
