@@ -158,6 +158,9 @@ impl<T: Tier> Tier for SharedTier<T> {
         inner.record(TierCall::Drain);
         inner.tier.drain();
     }
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.lock().tier.take_evicted(out)
+    }
     fn on_request_finished(&mut self, request: RequestId) {
         let mut inner = self.lock();
         inner.record(TierCall::Finished(request));

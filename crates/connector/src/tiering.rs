@@ -192,6 +192,10 @@ pub struct TierCounters {
     pub load_chunks_failed: u64,
     /// Failed chunks, stores and promotions, by the kind the tier reported.
     pub failures: FailureCounts,
+    /// Keys the tier reported dropping by itself (`Tier::take_evicted`), each a `Removed` event.
+    pub evictions_reported: u64,
+    /// Removals the tier dropped unreported because its list was full (no event for them).
+    pub evictions_unreported: u64,
     /// Bytes promoted successfully.
     pub bytes_loaded: u64,
     /// Nanoseconds from submit to completion, summed over load jobs.
@@ -1168,8 +1172,22 @@ impl TieringManager {
             for completion in completions.drain(..) {
                 self.apply_completion(tier, completion);
             }
+            self.take_evicted(tier);
         }
         self.scratch_completions = completions;
+    }
+
+    /// Turns the keys `tier` dropped by itself into `Removed` events with its medium.
+    fn take_evicted(&mut self, tier: usize) {
+        let mut keys = Vec::new();
+        let lost = self.tiers[tier].tier.take_evicted(&mut keys);
+        let entry = &mut self.tiers[tier];
+        entry.counters.evictions_reported += keys.len() as u64;
+        entry.counters.evictions_unreported += lost;
+        let medium = entry.medium;
+        for key in keys {
+            self.push_tier_event(tier, KvEvent::Removed { key, medium });
+        }
     }
 
     fn apply_completion(&mut self, tier: usize, completion: TierCompletion) {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use connector::testing::{SharedTier, TierCall};
-use connector::{TierMask, TieringManager, TieringOptions};
+use connector::{TierEvent, TierMask, TieringManager, TieringOptions};
 use offload_core::tier::{
     SubmitError, Tier, TierCompletion, TierFailure, TierJob, TierLookup, TierOp,
 };
@@ -402,6 +402,40 @@ fn failed_promotions_are_counted_by_the_kind_the_tier_reported_and_each_recomput
     assert_eq!(c.failures.of(TierFailure::Corrupt), 1);
     let others: u64 = c.failures.labelled().iter().map(|(_, v)| v).sum::<u64>() - 2;
     assert_eq!(others, 0, "{:?}", c.failures);
+    no_fake_violations(&f);
+}
+
+#[test]
+fn a_secondary_tiers_own_evictions_become_removed_events_with_its_medium() {
+    let mut f = fixture(4, 1);
+    store(&mut f, RequestId(1), &[key(1), key(2)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    let mut events = Vec::new();
+    f.manager.take_tier_events(&mut events);
+    assert!(f.tiers[0].with(|t| t.evict(key(2))), "the fake held key 2");
+    f.manager.begin_step();
+    events.clear();
+    f.manager.take_tier_events(&mut events);
+    let name = f.tiers[0].name().to_owned();
+    let medium = f.tiers[0].medium();
+    let removed: Vec<&TierEvent> = events
+        .iter()
+        .filter(|e| matches!(e.event, KvEvent::Removed { .. }))
+        .collect();
+    assert_eq!(
+        removed,
+        vec![&TierEvent {
+            tier: name,
+            event: KvEvent::Removed {
+                key: key(2),
+                medium
+            }
+        }],
+        "{events:?}"
+    );
+    let c = f.manager.tier_counters(0).expect("tier 0");
+    assert_eq!((c.evictions_reported, c.evictions_unreported), (1, 0));
     no_fake_violations(&f);
 }
 

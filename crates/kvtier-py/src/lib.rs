@@ -559,14 +559,12 @@ impl PyTier {
     /// `(hash, group)` chunk keys, oldest first, and how many removals went unreported because
     /// too many waited. Only the fs tier evicts by itself; the p2p tier reports none.
     fn take_removed(&self) -> (Vec<(u64, u32)>, u64) {
-        match &lock(&self.state).tier {
-            Inner::Fs(t) => {
-                let mut keys = Vec::new();
-                let lost = t.take_removed(&mut keys);
-                (keys.iter().map(|k| (k.hash, k.group)).collect(), lost)
-            }
-            Inner::P2p(_) => (Vec::new(), 0),
-        }
+        let mut keys = Vec::new();
+        let lost = match &mut lock(&self.state).tier {
+            Inner::Fs(t) => Tier::take_evicted(t, &mut keys),
+            Inner::P2p(t) => Tier::take_evicted(t, &mut keys),
+        };
+        (keys.iter().map(|k| (k.hash, k.group)).collect(), lost)
     }
 
     /// The tier's counters as a dict (ints, and the fs engine's name).

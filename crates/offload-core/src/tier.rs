@@ -313,6 +313,14 @@ pub trait Tier: Send {
     fn on_request_finished(&mut self, request: RequestId);
     /// Cancels and drains everything; later submits are refused.
     fn shutdown(&mut self);
+    /// Moves the keys this tier dropped by itself since the last call (evicted to stay under its
+    /// capacity, or removed as unreadable), oldest first, into `out`, without blocking, and
+    /// returns how many removals it dropped unreported because too many waited (its list is
+    /// bounded). The tiering manager turns each key into a `Removed` KV event with this tier's
+    /// medium. Default: the tier reports none.
+    fn take_evicted(&mut self, _out: &mut Vec<ChunkKey>) -> u64 {
+        0
+    }
 }
 
 #[cfg(test)]

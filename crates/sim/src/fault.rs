@@ -156,6 +156,10 @@ impl Tier for FaultTier {
         self.inner.lookup(key)
     }
 
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.inner.take_evicted(out)
+    }
+
     fn touch(&mut self, keys: &[ChunkKey]) {
         self.inner.touch(keys);
     }

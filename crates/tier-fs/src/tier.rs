@@ -578,6 +578,10 @@ impl Tier for FsTier {
         // Chunks are content-addressed and shared between requests: nothing is per request.
     }
 
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.take_removed(out)
+    }
+
     fn shutdown(&mut self) {
         if !self.shut_down {
             self.shut_down = true;

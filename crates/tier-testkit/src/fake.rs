@@ -116,6 +116,8 @@ pub struct FakeTier {
     /// The jobs accepted whose completion `poll` has not returned yet (offload-core's ledger).
     held: JobBook<HeldJob>,
     ready: VecDeque<TierCompletion>,
+    /// Keys dropped by `evict`, not yet taken by `take_evicted`.
+    evicted: Vec<ChunkKey>,
     last_accepted: Option<JobId>,
     finished_requests: BTreeSet<RequestId>,
     violations: Vec<String>,
@@ -141,6 +143,7 @@ impl FakeTier {
             lookup_counts: BTreeMap::new(),
             held,
             ready: VecDeque::new(),
+            evicted: Vec::new(),
             last_accepted: None,
             finished_requests: BTreeSet::new(),
             violations: Vec::new(),
@@ -162,6 +165,16 @@ impl FakeTier {
     /// The bytes stored under `key`, if any.
     pub fn stored_bytes(&self, key: ChunkKey) -> Option<&[u8]> {
         self.chunks.get(&key).map(|chunk| chunk.bytes.as_slice())
+    }
+
+    /// Drops `key` as an eviction would (tests): reported by the next `take_evicted`. False if
+    /// the tier did not hold it.
+    pub fn evict(&mut self, key: ChunkKey) -> bool {
+        if self.chunks.remove(&key).is_none() {
+            return false;
+        }
+        self.evicted.push(key);
+        true
     }
 
     /// Number of chunks held.
@@ -423,6 +436,11 @@ impl Tier for FakeTier {
 
     fn cancel(&mut self, id: JobId) {
         self.complete(id, true);
+    }
+
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        out.append(&mut self.evicted);
+        0
     }
 
     fn drain(&mut self) {

@@ -263,6 +263,9 @@ impl Tier for OwnedDirTier {
     fn name(&self) -> &str {
         self.tier.name()
     }
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.tier.take_evicted(out)
+    }
     fn medium(&self) -> Medium {
         self.tier.medium()
     }
