@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 use offload_core::tier::{FailedKey, TierChunk, TierCompletion};
-use offload_core::{ChunkKey, JobId, SlotId};
+use offload_core::{JobId, SlotId};
 
 use super::{Client, Stop};
 use crate::error::P2pError;
@@ -62,7 +62,7 @@ impl Client {
                 .iter()
                 .zip(done)
                 .filter(|(_, &d)| !d)
-                .all(|(&(_, slot, _), _)| self.memory.slot_ptr(slot).is_some())
+                .all(|(&TierChunk { slot, .. }, _)| self.memory.slot_ptr(slot).is_some())
     }
 
     /// Forgets peer `p`'s NIXL state (its connection is going away).
