@@ -34,6 +34,9 @@ impl<T: Tier> Tier for FailingTier<T> {
     fn name(&self) -> &str {
         self.tier.name()
     }
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.tier.take_evicted(out)
+    }
     fn medium(&self) -> Medium {
         self.tier.medium()
     }
@@ -47,10 +50,10 @@ impl<T: Tier> Tier for FailingTier<T> {
         if !(self.fails)(&job) {
             return self.tier.submit(job);
         }
-        self.failed.push(TierCompletion {
-            id: job.id,
-            failed: job.chunks.iter().map(|c| c.0).collect(),
-        });
+        let keys = job.chunks.iter().map(|c| c.key);
+        let kind = offload_core::tier::TierFailure::Io;
+        self.failed
+            .push(TierCompletion::all_failed(job.id, keys, kind));
         Ok(())
     }
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {

@@ -68,8 +68,8 @@ pub use handle::{AsTiering, SchedulerHandle};
 pub use metrics::{Metrics, PoolUsage};
 pub use registry::{TierFactory, TierRegistry, TierSettings};
 pub use tiering::{
-    TierCounters, TierEvent, TierMask, TieringCounters, TieringManager, TieringOptions,
-    HOST_TIER_NAME, TIERS_MAX,
+    FailureCounts, TierCounters, TierEvent, TierMask, TieringCounters, TieringManager,
+    TieringOptions, HOST_TIER_NAME, TIERS_MAX,
 };
 #[cfg(feature = "gpu")]
 pub use worker::{WorkerCounters, WorkerHandle, WORKER_DRAIN_DEADLINE};

@@ -163,6 +163,21 @@ impl Metrics {
         }
         family(
             &mut out,
+            "kvtier_chunk_failures_total",
+            "counter",
+            "Chunks a secondary tier failed (stores and loads), per tier and the kind it \
+             reported: missing, corrupt, cancelled, tier_down, timeout, io, other.",
+        );
+        for (tier, c) in &self.tiers {
+            for (kind, v) in c.failures.labelled() {
+                let _ = writeln!(
+                    out,
+                    "kvtier_chunk_failures_total{{tier=\"{tier}\",kind=\"{kind}\"}} {v}"
+                );
+            }
+        }
+        family(
+            &mut out,
             "kvtier_deadline_expired_total",
             "counter",
             "Tier waits that passed their deadline, per tier and wait: cascade_queued (dropped, \
@@ -317,6 +332,34 @@ mod tests {
             assert!(value.parse::<f64>().is_ok(), "bad value in {line}");
         }
         assert!(text.contains("kvtier_lookups_total{tier=\"fs\"} 0"));
+    }
+
+    #[test]
+    fn failures_are_exported_by_kind() {
+        let mut failures = crate::tiering::FailureCounts::default();
+        failures.add(offload_core::tier::TierFailure::Corrupt);
+        failures.add(offload_core::tier::TierFailure::Corrupt);
+        failures.add(offload_core::tier::TierFailure::TierDown);
+        let metrics = Metrics {
+            tiers: vec![(
+                "fs".to_owned(),
+                TierCounters {
+                    failures,
+                    ..TierCounters::default()
+                },
+            )],
+            ..Metrics::default()
+        };
+        let text = metrics.to_prometheus();
+        for (kind, v) in [
+            ("corrupt", 2),
+            ("tier_down", 1),
+            ("missing", 0),
+            ("other", 0),
+        ] {
+            let line = format!("kvtier_chunk_failures_total{{tier=\"fs\",kind=\"{kind}\"}} {v}");
+            assert!(text.lines().any(|l| l == line), "no line {line} in\n{text}");
+        }
     }
 
     #[test]

@@ -124,7 +124,7 @@ impl<T: Tier> Tier for SharedTier<T> {
     fn submit(&mut self, job: TierJob) -> Result<(), SubmitError> {
         let mut inner = self.lock();
         let (id, request, op) = (job.id, job.request, job.op);
-        let keys = job.chunks.iter().map(|c| c.0).collect();
+        let keys = job.chunks.iter().map(|c| c.key).collect();
         let result = inner.tier.submit(job);
         let accepted = result.is_ok();
         inner.record(TierCall::Submit {
@@ -157,6 +157,9 @@ impl<T: Tier> Tier for SharedTier<T> {
         let mut inner = self.lock();
         inner.record(TierCall::Drain);
         inner.tier.drain();
+    }
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.lock().tier.take_evicted(out)
     }
     fn on_request_finished(&mut self, request: RequestId) {
         let mut inner = self.lock();

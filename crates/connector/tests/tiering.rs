@@ -5,8 +5,10 @@
 use std::sync::Arc;
 
 use connector::testing::{SharedTier, TierCall};
-use connector::{TierMask, TieringManager, TieringOptions};
-use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use connector::{TierEvent, TierMask, TieringManager, TieringOptions};
+use offload_core::tier::{
+    SubmitError, Tier, TierCompletion, TierFailure, TierJob, TierLookup, TierOp,
+};
 use offload_core::{
     ChunkKey, EvictionPolicy, HostPool, JobId, KvEvent, LookupResult, Medium, OffloadManager,
     PoolConfig, PreparedStore, RequestId, SlotId, SlotMemory,
@@ -372,6 +374,69 @@ fn a_failed_promotion_is_freed_and_that_request_recomputes() {
         f.manager.tier_counters(0).map(|c| c.load_chunks_failed),
         Some(1)
     );
+}
+
+#[test]
+fn failed_promotions_are_counted_by_the_kind_the_tier_reported_and_each_recomputes() {
+    let mut f = fixture(4, 1);
+    store(&mut f, RequestId(1), &[key(1), key(2)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    f.manager.reset();
+    f.tiers[0].with(|t| {
+        t.faults_mut().corrupt_on_load.insert(key(1));
+        t.faults_mut().load_fail.insert(key(2));
+    });
+    let r = RequestId(2);
+    assert_eq!(f.manager.lookup(key(1), r), LookupResult::Pending);
+    assert_eq!(f.manager.lookup(key(2), r), LookupResult::Pending);
+    f.manager.end_step();
+    f.manager.begin_step();
+    for k in [key(1), key(2)] {
+        assert_eq!(f.manager.host().slot_of(k), None, "never served");
+        assert_eq!(f.manager.lookup(k, r), LookupResult::Miss, "recomputed");
+    }
+    let c = f.manager.tier_counters(0).expect("tier 0");
+    assert_eq!(c.load_chunks_failed, 2);
+    assert_eq!((c.failures.corrupt, c.failures.io), (1, 1), "{c:?}");
+    assert_eq!(c.failures.of(TierFailure::Corrupt), 1);
+    let others: u64 = c.failures.labelled().iter().map(|(_, v)| v).sum::<u64>() - 2;
+    assert_eq!(others, 0, "{:?}", c.failures);
+    no_fake_violations(&f);
+}
+
+#[test]
+fn a_secondary_tiers_own_evictions_become_removed_events_with_its_medium() {
+    let mut f = fixture(4, 1);
+    store(&mut f, RequestId(1), &[key(1), key(2)]);
+    f.manager.on_request_finished(RequestId(1));
+    f.manager.begin_step();
+    let mut events = Vec::new();
+    f.manager.take_tier_events(&mut events);
+    assert!(f.tiers[0].with(|t| t.evict(key(2))), "the fake held key 2");
+    f.manager.begin_step();
+    events.clear();
+    f.manager.take_tier_events(&mut events);
+    let name = f.tiers[0].name().to_owned();
+    let medium = f.tiers[0].medium();
+    let removed: Vec<&TierEvent> = events
+        .iter()
+        .filter(|e| matches!(e.event, KvEvent::Removed { .. }))
+        .collect();
+    assert_eq!(
+        removed,
+        vec![&TierEvent {
+            tier: name,
+            event: KvEvent::Removed {
+                key: key(2),
+                medium
+            }
+        }],
+        "{events:?}"
+    );
+    let c = f.manager.tier_counters(0).expect("tier 0");
+    assert_eq!((c.evictions_reported, c.evictions_unreported), (1, 0));
+    no_fake_violations(&f);
 }
 
 #[test]

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use connector::config::{ConfigError, ConnectorConfig, EngineGeometry, ResolvedConfig};
 use connector::registry::{TierFactory, TierRegistry, TierSettings};
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
-use offload_core::{ChunkKey, JobId, Medium, RequestId};
+use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
 
 // ANCHOR: settings
 /// What a `type = "memory"` entry may say (every key optional but `capacity_bytes`).
@@ -109,7 +110,7 @@ impl MemoryTier {
         }
         let mut keys = std::collections::BTreeSet::new();
         let mut written = std::collections::BTreeSet::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= self.memory.slot_count() {
                 return Some(format!("slot {} out of range", slot.0));
             }
@@ -127,11 +128,11 @@ impl MemoryTier {
     }
 
     /// Copies one chunk from its host slot into the tier, evicting the least recently used
-    /// chunks to make room; false if it cannot fit at all.
-    fn store_chunk(&mut self, key: ChunkKey, slot: offload_core::SlotId, len: u32) -> bool {
+    /// chunks to make room; `Io` (no space) if it cannot fit at all.
+    fn store_chunk(&mut self, key: ChunkKey, slot: SlotId, len: u32) -> Result<(), TierFailure> {
         let len = u64::from(len);
         if len > self.settings.capacity_bytes {
-            return false;
+            return Err(TierFailure::Io);
         }
         if let Some(old) = self.chunks.remove(&key) {
             self.stored_bytes -= old.bytes.len() as u64;
@@ -154,20 +155,22 @@ impl MemoryTier {
                 used: self.tick,
             },
         );
-        true
+        Ok(())
     }
 
-    /// Copies one chunk into its host slot; false if the tier does not hold it at that length.
-    fn load_chunk(&mut self, key: ChunkKey, slot: offload_core::SlotId, len: u32) -> bool {
+    /// Copies one chunk into its host slot; `Missing` if the tier does not hold it, `Corrupt` if
+    /// it holds another length under that key.
+    fn load_chunk(&mut self, key: ChunkKey, slot: SlotId, len: u32) -> Result<(), TierFailure> {
         self.tick += 1;
         let tick = self.tick;
         match self.chunks.get_mut(&key) {
             Some(chunk) if chunk.bytes.len() == len as usize => {
                 chunk.used = tick;
                 self.memory.write_slot(slot, 0, &chunk.bytes);
-                true
+                Ok(())
             }
-            _ => false,
+            Some(_) => Err(TierFailure::Corrupt),
+            None => Err(TierFailure::Missing),
         }
     }
 
@@ -184,14 +187,14 @@ impl MemoryTier {
                 continue;
             };
             let mut failed = Vec::new();
-            for &(key, slot, len) in &job.chunks {
-                let ok = !cancelled
-                    && match job.op {
-                        TierOp::Store => self.store_chunk(key, slot, len),
-                        TierOp::Load => self.load_chunk(key, slot, len),
-                    };
-                if !ok {
-                    failed.push(key);
+            for &TierChunk { key, slot, len } in &job.chunks {
+                let moved = match (cancelled, job.op) {
+                    (true, _) => Err(TierFailure::Cancelled),
+                    (false, TierOp::Store) => self.store_chunk(key, slot, len),
+                    (false, TierOp::Load) => self.load_chunk(key, slot, len),
+                };
+                if let Err(kind) = moved {
+                    failed.push(FailedKey::new(key, kind));
                 }
             }
             self.ready.push(TierCompletion { id, failed });
@@ -240,7 +243,7 @@ impl Tier for MemoryTier {
                 in_flight: self.in_flight.len(),
             });
         }
-        let bytes = job.chunks.iter().map(|c| u64::from(c.2)).sum();
+        let bytes = job.chunks.iter().map(|c| u64::from(c.len)).sum();
         let due = Instant::now() + self.settings.job_duration(bytes);
         let id = job.id;
         let cancelled = false;

@@ -24,7 +24,7 @@ use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use offload_core::tier::SubmitError;
+use offload_core::tier::{SubmitError, TierChunk};
 use offload_core::{
     ChunkKey, JobId, RequestId, SlotId, SlotMemory, Tier, TierCompletion, TierJob, TierLookup,
     TierOp,
@@ -472,7 +472,7 @@ impl PyTier {
             chunks: chunk_keys
                 .iter()
                 .zip(&slots)
-                .map(|(&k, &s)| (k, SlotId(s), len))
+                .map(|(&k, &s)| TierChunk::new(k, SlotId(s), len))
                 .collect(),
         };
         let mut st = lock(&self.state);
@@ -506,7 +506,7 @@ impl PyTier {
             let failed = if c.failed.is_empty() {
                 Vec::new()
             } else {
-                let failed: std::collections::HashSet<ChunkKey> = c.failed.into_iter().collect();
+                let failed: std::collections::HashSet<ChunkKey> = c.failed_keys().collect();
                 keys.iter()
                     .enumerate()
                     .filter(|(_, k)| failed.contains(k))
@@ -566,14 +566,12 @@ impl PyTier {
     /// `(hash, group)` chunk keys, oldest first, and how many removals went unreported because
     /// too many waited. Only the fs tier evicts by itself; the p2p tier reports none.
     fn take_removed(&self) -> (Vec<(u128, u32)>, u64) {
-        match &lock(&self.state).tier {
-            Inner::Fs(t) => {
-                let mut keys = Vec::new();
-                let lost = t.take_removed(&mut keys);
-                (keys.iter().map(|k| (k.hash, k.group)).collect(), lost)
-            }
-            Inner::P2p(_) => (Vec::new(), 0),
-        }
+        let mut keys = Vec::new();
+        let lost = match &mut lock(&self.state).tier {
+            Inner::Fs(t) => Tier::take_evicted(t, &mut keys),
+            Inner::P2p(t) => Tier::take_evicted(t, &mut keys),
+        };
+        (keys.iter().map(|k| (k.hash, k.group)).collect(), lost)
     }
 
     /// The tier's counters as a dict (ints, and the fs engine's name).

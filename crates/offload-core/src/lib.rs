@@ -13,6 +13,7 @@ pub mod bench;
 pub mod error;
 pub mod event;
 pub mod invariant;
+pub mod job_book;
 pub mod key;
 pub mod manager;
 pub mod meta;
@@ -25,6 +26,7 @@ pub mod tier;
 
 pub use error::{CoreError, ErrorKind};
 pub use event::{KvEvent, Medium};
+pub use job_book::{BookError, Booked, JobBook};
 pub use key::{BlockId, ChunkKey, JobId, LookupResult, RequestId, SlotId};
 pub use manager::{OffloadManager, PreparedStore};
 pub use meta::{ConnectorMeta, Job, JobAck, JobKind, Transfer, WorkerOutput};
@@ -35,4 +37,7 @@ pub use scheduler::{
     SchedulerConfig, SchedulerStats, StepInput, StepRequest, UpdateOutcome,
 };
 pub use stats::Stats;
-pub use tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+pub use tier::{
+    FailedKey, SlotMemory, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
+};

@@ -58,6 +58,25 @@ pub enum TierOp {
     Load,
 }
 
+/// One chunk of a [`TierJob`]: its key, its host slot, and how many payload bytes it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TierChunk {
+    /// The chunk.
+    pub key: ChunkKey,
+    /// Its host slot: read by a store, written by a load.
+    pub slot: SlotId,
+    /// Payload bytes, at most the slot size (a partial chunk is shorter than a slot). A load
+    /// fills exactly this many bytes of the slot.
+    pub len: u32,
+}
+
+impl TierChunk {
+    /// A chunk of `len` payload bytes in `slot`.
+    pub const fn new(key: ChunkKey, slot: SlotId, len: u32) -> Self {
+        Self { key, slot, len }
+    }
+}
+
 /// One job submitted to a tier: the same operation on a set of chunks, each with its host slot.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TierJob {
@@ -67,9 +86,85 @@ pub struct TierJob {
     pub request: Option<RequestId>,
     /// Direction.
     pub op: TierOp,
-    /// `(key, slot, len)`: the chunk, its host slot, and the number of payload bytes (a partial
-    /// chunk is shorter than a slot).
-    pub chunks: Vec<(ChunkKey, SlotId, u32)>,
+    /// The chunks, each with its host slot and payload length.
+    pub chunks: Vec<TierChunk>,
+}
+
+/// Why one key of a job failed. Whatever the kind, a failed load means the engine recomputes;
+/// the kind only tells metrics and logs what went wrong.
+///
+/// Non-exhaustive: a tier may need a kind not listed yet, and a caller outside offload-core
+/// counts a kind it does not know as "other".
+///
+/// ```compile_fail
+/// // Outside offload-core a match needs a `_` arm:
+/// fn f(x: offload_core::tier::TierFailure) {
+///     match x {
+///         offload_core::tier::TierFailure::Missing => {}
+///         offload_core::tier::TierFailure::Corrupt => {}
+///         offload_core::tier::TierFailure::Cancelled => {}
+///         offload_core::tier::TierFailure::TierDown => {}
+///         offload_core::tier::TierFailure::Timeout => {}
+///         offload_core::tier::TierFailure::Io => {}
+///     }
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TierFailure {
+    /// The tier does not hold the chunk (never stored, evicted, no peer has it).
+    Missing,
+    /// The bytes did not verify (checksum, header, stored length, torn record); a tier that
+    /// keeps the copy quarantines it.
+    Corrupt,
+    /// The job was cancelled (cancel, drain, reset, shutdown) before the key was transferred.
+    Cancelled,
+    /// The tier cannot serve now: shut down, its worker gone, no peer reachable.
+    TierDown,
+    /// A deadline passed before the key was transferred.
+    Timeout,
+    /// The tier's storage or transport failed this key: an I/O error, no space, a short write.
+    Io,
+}
+
+impl TierFailure {
+    /// Every kind, in declaration order.
+    pub const ALL: [TierFailure; 6] = [
+        TierFailure::Missing,
+        TierFailure::Corrupt,
+        TierFailure::Cancelled,
+        TierFailure::TierDown,
+        TierFailure::Timeout,
+        TierFailure::Io,
+    ];
+
+    /// A short lower-case name for logs and metric labels (`"missing"`, `"tier_down"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            TierFailure::Missing => "missing",
+            TierFailure::Corrupt => "corrupt",
+            TierFailure::Cancelled => "cancelled",
+            TierFailure::TierDown => "tier_down",
+            TierFailure::Timeout => "timeout",
+            TierFailure::Io => "io",
+        }
+    }
+}
+
+/// One failed key of a [`TierCompletion`] and why it failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct FailedKey {
+    /// The key.
+    pub key: ChunkKey,
+    /// Why.
+    pub kind: TierFailure,
+}
+
+impl FailedKey {
+    /// `key` failed because of `kind`.
+    pub const fn new(key: ChunkKey, kind: TierFailure) -> Self {
+        Self { key, kind }
+    }
 }
 
 /// The single completion of a [`TierJob`].
@@ -77,15 +172,49 @@ pub struct TierJob {
 pub struct TierCompletion {
     /// The job.
     pub id: JobId,
-    /// Keys that failed (empty on full success). For a load, a failed key's slot holds no valid
-    /// data and must not be served; keys not listed were transferred and verified.
-    pub failed: Vec<ChunkKey>,
+    /// Keys that failed, each with its reason (empty on full success), each key at most once and
+    /// only keys the job names. For a load, a failed key's slot holds no valid data and must not
+    /// be served; keys not listed were transferred and verified.
+    pub failed: Vec<FailedKey>,
 }
 
 impl TierCompletion {
+    /// Every chunk of job `id` succeeded.
+    pub fn success(id: JobId) -> Self {
+        Self {
+            id,
+            failed: Vec::new(),
+        }
+    }
+
+    /// Every key in `keys` of job `id` failed for the same reason.
+    pub fn all_failed(
+        id: JobId,
+        keys: impl IntoIterator<Item = ChunkKey>,
+        kind: TierFailure,
+    ) -> Self {
+        Self {
+            id,
+            failed: keys
+                .into_iter()
+                .map(|key| FailedKey { key, kind })
+                .collect(),
+        }
+    }
+
     /// Whether every chunk of the job succeeded.
     pub fn is_success(&self) -> bool {
         self.failed.is_empty()
+    }
+
+    /// The failed keys, in the order reported.
+    pub fn failed_keys(&self) -> impl Iterator<Item = ChunkKey> + '_ {
+        self.failed.iter().map(|f| f.key)
+    }
+
+    /// Why `key` failed, or `None` if it did not.
+    pub fn failure_of(&self, key: ChunkKey) -> Option<TierFailure> {
+        self.failed.iter().find(|f| f.key == key).map(|f| f.kind)
     }
 }
 
@@ -148,7 +277,7 @@ pub enum SubmitError {
 ///   caller must neither reuse nor free them, even if it cancels the job or loses interest. Once
 ///   the completion is returned the tier holds no reference to them.
 /// * **Cancel** is a request: the job still completes exactly once, with the keys not transferred
-///   listed as failed. A load completion may list as failed only keys whose slots hold no valid data.
+///   listed as failed ([`TierFailure::Cancelled`]). A load completion may list as failed only keys whose slots hold no valid data.
 /// * **Drain** blocks until every accepted job has completed and its completion is queued for
 ///   `poll`; the tier stays usable afterwards. A tier may bound that wait by a deadline of its
 ///   configuration (a disk that stops answering): past it, `drain` returns with the jobs not
@@ -158,6 +287,10 @@ pub enum SubmitError {
 ///   still returns the remaining completions.
 /// * **Integrity.** A load never reports success for bytes that differ from what was stored under
 ///   that key: a checksum mismatch, short read or torn copy is a failed key (the engine recomputes).
+/// * **Failure kinds.** Each failed key carries a [`TierFailure`]: `Missing` (not held),
+///   `Corrupt` (did not verify), `Cancelled` (cancel, drain, shutdown), `TierDown` (shut down,
+///   unreachable), `Timeout` (a deadline passed), `Io` (storage or transport error). The kind
+///   changes counters only: every failed key is a recompute.
 /// * **Requests.** After [`Tier::on_request_finished`] for a request, no job or touch names it.
 pub trait Tier: Send {
     /// A short name for logs and metrics (`"fs"`, `"p2p"`, ...).
@@ -180,4 +313,44 @@ pub trait Tier: Send {
     fn on_request_finished(&mut self, request: RequestId);
     /// Cancels and drains everything; later submits are refused.
     fn shutdown(&mut self);
+    /// Moves the keys this tier dropped by itself since the last call (evicted to stay under its
+    /// capacity, or removed as unreadable), oldest first, into `out`, without blocking, and
+    /// returns how many removals it dropped unreported because too many waited (its list is
+    /// bounded). The tiering manager turns each key into a `Removed` KV event with this tier's
+    /// medium. Default: the tier reports none.
+    fn take_evicted(&mut self, _out: &mut Vec<ChunkKey>) -> u64 {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_completion_answers_for_each_failed_key_and_its_kind() {
+        let (a, b, c) = (
+            ChunkKey::new(1, 0),
+            ChunkKey::new(2, 0),
+            ChunkKey::new(3, 1),
+        );
+        let done = TierCompletion::all_failed(JobId(7), [a, b], TierFailure::Timeout);
+        assert!(!done.is_success());
+        assert_eq!(done.failed_keys().collect::<Vec<_>>(), vec![a, b]);
+        assert_eq!(done.failure_of(b), Some(TierFailure::Timeout));
+        assert_eq!(done.failure_of(c), None);
+        assert!(TierCompletion::success(JobId(8)).is_success());
+        let names: Vec<&str> = TierFailure::ALL.iter().map(|k| k.name()).collect();
+        assert_eq!(
+            names,
+            [
+                "missing",
+                "corrupt",
+                "cancelled",
+                "tier_down",
+                "timeout",
+                "io"
+            ]
+        );
+    }
 }

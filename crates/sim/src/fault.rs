@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use engine_sim::rng::SplitMix64;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 use tier_testkit::{FakeTier, FakeTierConfig};
@@ -155,6 +156,10 @@ impl Tier for FaultTier {
         self.inner.lookup(key)
     }
 
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.inner.take_evicted(out)
+    }
+
     fn touch(&mut self, keys: &[ChunkKey]) {
         self.inner.touch(keys);
     }
@@ -166,10 +171,10 @@ impl Tier for FaultTier {
         }
         if self.dead {
             self.injected += 1;
-            self.dead_jobs.push(TierCompletion {
-                id: job.id,
-                failed: job.chunks.iter().map(|c| c.0).collect(),
-            });
+            let keys = job.chunks.iter().map(|c| c.key);
+            let kind = TierFailure::TierDown;
+            self.dead_jobs
+                .push(TierCompletion::all_failed(job.id, keys, kind));
             return Ok(());
         }
         let whole = match job.op {
@@ -179,7 +184,8 @@ impl Tier for FaultTier {
         let mut failed = Vec::new();
         let mut kept = Vec::with_capacity(job.chunks.len());
         let mut corrupt = Vec::new();
-        for &(key, slot, len) in &job.chunks {
+        for &chunk in &job.chunks {
+            let TierChunk { key, slot, .. } = chunk;
             if whole || self.chance(self.faults.key_fail_ppm) {
                 failed.push((key, slot.0));
                 continue;
@@ -187,7 +193,7 @@ impl Tier for FaultTier {
             if job.op == TierOp::Load && self.chance(self.faults.corrupt_ppm) {
                 corrupt.push(key);
             }
-            kept.push((key, slot, len));
+            kept.push(chunk);
         }
         let delay = if self.enabled && self.faults.delay_polls_max > 0 {
             self.rng.below(u64::from(self.faults.delay_polls_max) + 1) as u32
@@ -242,8 +248,8 @@ impl Tier for FaultTier {
                     self.memory
                         .write_slot(offload_core::SlotId(slot), 0, &garbage);
                 }
-                if !c.failed.contains(&key) {
-                    c.failed.push(key);
+                if c.failure_of(key).is_none() {
+                    c.failed.push(FailedKey::new(key, TierFailure::Io));
                 }
             }
         }

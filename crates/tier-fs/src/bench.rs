@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use offload_core::bench::{median, BenchRow};
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
+use offload_core::tier::{SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 
 use crate::config::{EngineChoice, FsTierConfig, NamespaceId};
@@ -357,7 +357,7 @@ fn run_jobs(
             .enumerate()
             .map(|(i, &key)| {
                 let slot = (group * chunks_per_job + i) as u32;
-                (key, SlotId(slot), size)
+                TierChunk::new(key, SlotId(slot), size)
             })
             .collect(),
     };

@@ -3,6 +3,8 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+use offload_core::tier::TierFailure;
+
 /// Why a chunk of a job failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
@@ -45,6 +47,24 @@ impl FailureKind {
 
     fn index(self) -> usize {
         self as usize
+    }
+
+    /// The kind a [`TierCompletion`](offload_core::tier::TierCompletion) reports for it: a torn
+    /// or mislabelled record is corrupt, a full disk or refused write an I/O failure, a dead
+    /// worker the tier down.
+    pub fn tier_failure(self) -> TierFailure {
+        match self {
+            FailureKind::Missing => TierFailure::Missing,
+            FailureKind::Cancelled => TierFailure::Cancelled,
+            FailureKind::Capacity
+            | FailureKind::NoSpace
+            | FailureKind::Io
+            | FailureKind::ShortWrite => TierFailure::Io,
+            FailureKind::ShortRead | FailureKind::Corrupt | FailureKind::LengthMismatch => {
+                TierFailure::Corrupt
+            }
+            FailureKind::Unavailable => TierFailure::TierDown,
+        }
     }
 }
 
@@ -114,6 +134,9 @@ pub struct FsStats {
     pub threads_detached: u64,
     /// Drains that returned at `drain_deadline` with jobs still in flight (reported later).
     pub drain_timeouts: u64,
+    /// Completions from the workers that the job book refused (a second one for a job, a stray
+    /// failed key): never handed out; a broken invariant (debug builds panic).
+    pub invariant_failures: u64,
     /// Injected stalls entered (tests).
     pub stalls: u64,
     /// Failed chunks by kind, indexed like [`FailureKind::ALL`].
@@ -162,6 +185,7 @@ pub(crate) struct StatsCell {
     pub(crate) shutdown_timeouts: AtomicU64,
     pub(crate) threads_detached: AtomicU64,
     pub(crate) drain_timeouts: AtomicU64,
+    pub(crate) invariant_failures: AtomicU64,
     pub(crate) stalls: AtomicU64,
     failures: [AtomicU64; 10],
 }
@@ -211,6 +235,7 @@ impl StatsCell {
             shutdown_timeouts: get(&self.shutdown_timeouts),
             threads_detached: get(&self.threads_detached),
             drain_timeouts: get(&self.drain_timeouts),
+            invariant_failures: get(&self.invariant_failures),
             stalls: get(&self.stalls),
             failures,
         }

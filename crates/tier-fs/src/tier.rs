@@ -5,7 +5,7 @@
 //! (each running the jobs it takes as a pipeline); each of them owns one I/O engine (see the
 //! `worker` module).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::fs::{self, File};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError, TrySendError};
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
 };
-use offload_core::{ChunkKey, JobId, Medium, RequestId};
+use offload_core::{ChunkKey, JobBook, JobId, Medium, RequestId};
 
 use crate::config::{EngineChoice, FsTierConfig};
 use crate::direct::{probe_direct, warn};
@@ -52,12 +53,12 @@ pub struct FsTier {
     stores: Option<Sender<Msg>>,
     load_workers: usize,
     done: Receiver<TierCompletion>,
-    /// Completions received (by `drain`) and not yet returned by `poll`.
+    /// Completions received from the workers (checked against `book`) and not yet returned by
+    /// `poll`.
     ready: VecDeque<TierCompletion>,
-    /// Accepted jobs whose completion was not returned by `poll` yet, with their keys.
-    in_flight: HashMap<JobId, Vec<ChunkKey>>,
-    /// Jobs whose cancellation this front end requested.
-    cancel_requested: HashSet<JobId>,
+    /// Accepted jobs whose completion was not received from the workers yet, with their keys
+    /// and whether a cancel was passed on (offload-core's ledger).
+    book: JobBook,
     workers: Vec<JoinHandle<()>>,
     prober: Option<Prober>,
     shut_down: bool,
@@ -77,7 +78,7 @@ impl std::fmt::Debug for FsTier {
         f.debug_struct("FsTier")
             .field("namespace_dir", &self.namespace_dir)
             .field("engine", &self.engine_name)
-            .field("jobs_in_flight", &self.in_flight.len())
+            .field("jobs_in_flight", &(self.book.len() + self.ready.len()))
             .field("shut_down", &self.shut_down)
             .finish()
     }
@@ -273,8 +274,7 @@ impl FsTier {
             load_workers: config.workers,
             done,
             ready: VecDeque::new(),
-            in_flight: HashMap::new(),
-            cancel_requested: HashSet::new(),
+            book: JobBook::new(config.jobs_in_flight_max),
             workers,
             prober,
             shut_down: false,
@@ -299,7 +299,7 @@ impl FsTier {
         while self.awaiting() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.done.recv_timeout(left) {
-                Ok(completion) => self.ready.push_back(completion),
+                Ok(completion) => self.arrived(completion),
                 Err(RecvTimeoutError::Timeout) => return false,
                 Err(RecvTimeoutError::Disconnected) => {
                     self.fail_orphans();
@@ -364,13 +364,13 @@ impl FsTier {
 
     /// Checks a job against the host pool and the jobs in flight.
     fn check(&self, job: &TierJob) -> Result<(), SubmitError> {
-        if self.in_flight.contains_key(&job.id) {
+        if self.book.contains(job.id) {
             return Err(SubmitError::Invalid(format!(
                 "job id {} is already in flight",
                 job.id.0
             )));
         }
-        for (key, slot, len) in &job.chunks {
+        for TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= self.slot_count {
                 return Err(SubmitError::Invalid(format!(
                     "chunk {:#x}/{}: slot {} out of range (slot_count {})",
@@ -387,39 +387,34 @@ impl FsTier {
         Ok(())
     }
 
-    /// Records a completion taken from the worker.
-    fn received(&mut self, completion: TierCompletion) -> TierCompletion {
-        self.in_flight.remove(&completion.id);
-        self.cancel_requested.remove(&completion.id);
-        completion
+    /// Takes a completion from the workers out of the book and queues it for `poll`; one the
+    /// book refuses (a second completion, a stray key) is a broken invariant of the worker:
+    /// never handed out.
+    fn arrived(&mut self, completion: TierCompletion) {
+        match self.book.complete(&completion) {
+            Ok(_) => self.ready.push_back(completion),
+            Err(e) => {
+                add(&self.shared.stats.invariant_failures, 1);
+                crate::direct::warn(&self.shared.stats, self.quiet, &format!("fs tier: {e}"));
+                debug_assert!(false, "fs tier: {e}");
+            }
+        }
     }
 
     /// The worker is gone: completes every job still waiting for it with all keys failed (the
     /// worker no longer touches any slot).
     fn fail_orphans(&mut self) {
-        let ready: HashSet<JobId> = self.ready.iter().map(|c| c.id).collect();
-        let mut orphans: Vec<(JobId, Vec<ChunkKey>)> = self
-            .in_flight
-            .iter()
-            .filter(|(id, _)| !ready.contains(id))
-            .map(|(id, keys)| (*id, keys.clone()))
-            .collect();
-        orphans.sort_by_key(|(id, _)| *id);
-        for (id, keys) in orphans {
-            let mut failed = Vec::new();
-            for key in keys {
-                if !failed.contains(&key) {
-                    self.shared.stats.fail(FailureKind::Unavailable);
-                    failed.push(key);
-                }
+        for (completion, _) in self.book.fail_where(TierFailure::TierDown, |_, _| true) {
+            for _ in &completion.failed {
+                self.shared.stats.fail(FailureKind::Unavailable);
             }
-            self.ready.push_back(TierCompletion { id, failed });
+            self.ready.push_back(completion);
         }
     }
 
     /// Jobs accepted whose completion has not been received yet.
     fn awaiting(&self) -> usize {
-        self.in_flight.len() - self.ready.len()
+        self.book.len()
     }
 
     /// Jobs accepted that have not completed yet (after a `drain` that timed out: those it left
@@ -515,10 +510,9 @@ impl Tier for FsTier {
             return Err(SubmitError::ShutDown);
         }
         self.check(&job)?;
-        if self.in_flight.len() >= self.jobs_in_flight_max {
-            return Err(SubmitError::Busy {
-                in_flight: self.in_flight.len(),
-            });
+        let in_flight = self.book.len() + self.ready.len();
+        if in_flight >= self.jobs_in_flight_max {
+            return Err(SubmitError::Busy { in_flight });
         }
         let queue = match job.op {
             TierOp::Store => &self.stores,
@@ -528,15 +522,11 @@ impl Tier for FsTier {
             return Err(SubmitError::ShutDown);
         };
         let id = job.id;
-        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
         match jobs.try_send(Msg::Job(job)) {
-            Ok(()) => {
-                self.in_flight.insert(id, keys);
-                Ok(())
-            }
-            Err(TrySendError::Full(_)) => Err(SubmitError::Busy {
-                in_flight: self.in_flight.len(),
-            }),
+            // Checked above (fewer than the most in flight, a fresh id): this cannot refuse.
+            Ok(()) => self.book.insert_keys(id, keys, ()),
+            Err(TrySendError::Full(_)) => Err(SubmitError::Busy { in_flight }),
             Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShutDown),
         }
     }
@@ -544,7 +534,7 @@ impl Tier for FsTier {
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {
         loop {
             match self.done.try_recv() {
-                Ok(completion) => self.ready.push_back(completion),
+                Ok(completion) => self.arrived(completion),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     self.fail_orphans();
@@ -552,14 +542,11 @@ impl Tier for FsTier {
                 }
             }
         }
-        while let Some(completion) = self.ready.pop_front() {
-            let completion = self.received(completion);
-            out.push(completion);
-        }
+        out.extend(self.ready.drain(..));
     }
 
     fn cancel(&mut self, id: JobId) {
-        if !self.in_flight.contains_key(&id) || !self.cancel_requested.insert(id) {
+        if !self.book.cancel(id) {
             return;
         }
         self.shared.cancelled().insert(id);
@@ -591,16 +578,14 @@ impl Tier for FsTier {
         // Chunks are content-addressed and shared between requests: nothing is per request.
     }
 
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.take_removed(out)
+    }
+
     fn shutdown(&mut self) {
         if !self.shut_down {
             self.shut_down = true;
-            let ready: HashSet<JobId> = self.ready.iter().map(|c| c.id).collect();
-            let ids: Vec<JobId> = self
-                .in_flight
-                .keys()
-                .filter(|id| !ready.contains(id))
-                .copied()
-                .collect();
+            let ids: Vec<JobId> = self.book.iter().map(|(id, _)| id).collect();
             for id in ids {
                 self.cancel(id);
             }

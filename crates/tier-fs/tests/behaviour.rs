@@ -8,7 +8,7 @@ use std::fs;
 use std::sync::Arc;
 
 use common::*;
-use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup};
 use offload_core::ChunkKey;
 use tier_fs::{
     EngineChoice, FailureKind, Fault, FaultPlan, FaultRule, FaultSite, FsError, FsTier,
@@ -83,7 +83,10 @@ fn round_trip(engine: EngineChoice) {
     assert_eq!(stats.chunks_loaded, 4);
     // A load asking for another length fails that key only and keeps the file.
     let done = rig.load(&[(key(4), 9, 4999), (key(1), 10, FULL)]);
-    assert_eq!(done.failed, vec![key(4)]);
+    assert_eq!(
+        done.failed,
+        vec![FailedKey::new(key(4), TierFailure::Corrupt)]
+    );
     assert!(rig.slot_is(10, FULL, 101));
     assert_eq!(rig.lookup(key(4)), TierLookup::Hit);
     assert_eq!(rig.tier.stats().failures_of(FailureKind::LengthMismatch), 1);
@@ -220,7 +223,7 @@ fn version_2_segments_are_refused_and_left_alone() {
         for k in [old_key, low_only] {
             assert_eq!(rig.lookup(k), TierLookup::Miss, "{k:?}");
             let done = rig.load(&[(k, 8, FULL)]);
-            assert_eq!(done.failed, vec![k]);
+            assert_eq!(done.failed, vec![FailedKey::new(k, TierFailure::Missing)]);
         }
         assert!(rig.load(&[(key(1), 9, FULL)]).is_success());
         assert!(rig.slot_is(9, FULL, 1));
@@ -326,7 +329,11 @@ fn enospc_fails_cleanly(engine: EngineChoice) {
         let mut rig = faulty(engine, dir.path(), rules);
         let chunks = four_chunks();
         let done = rig.store(&chunks);
-        assert_eq!(done.failed, vec![key(2)], "{site:?}");
+        assert_eq!(
+            done.failed,
+            vec![FailedKey::new(key(2), TierFailure::Io)],
+            "{site:?}"
+        );
         assert!(files_with_suffix(dir.path(), ".tmp").is_empty(), "{site:?}");
         assert_eq!(rig.tier.chunk_count(), 3, "{site:?}");
         assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
@@ -351,12 +358,18 @@ fn eio_fails_the_key(engine: EngineChoice) {
     ];
     let mut rig = faulty(engine, dir.path(), rules);
     let chunks = four_chunks();
-    assert_eq!(rig.store(&chunks).failed, vec![key(2)]);
+    assert_eq!(
+        rig.store(&chunks).failed,
+        vec![FailedKey::new(key(2), TierFailure::Io)]
+    );
     assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
     assert_eq!(rig.lookup(key(2)), TierLookup::Miss);
     assert!(rig.store(&chunks).is_success());
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    assert_eq!(rig.load(&loads).failed, vec![key(3)]);
+    assert_eq!(
+        rig.load(&loads).failed,
+        vec![FailedKey::new(key(3), TierFailure::Io)]
+    );
     assert!(rig.slot_is(8, FULL, 101));
     // A read error may be transient: the file stays and loads next time.
     assert_eq!(rig.lookup(key(3)), TierLookup::Hit);
@@ -369,7 +382,10 @@ fn short_write_fails_the_key(engine: EngineChoice) {
     let rules = vec![FaultRule::on_key(FaultSite::Write, Fault::Short, key(1)).times(1)];
     let mut rig = faulty(engine, dir.path(), rules);
     let chunks = four_chunks();
-    assert_eq!(rig.store(&chunks).failed, vec![key(1)]);
+    assert_eq!(
+        rig.store(&chunks).failed,
+        vec![FailedKey::new(key(1), TierFailure::Io)]
+    );
     assert!(files_with_suffix(dir.path(), ".tmp").is_empty());
     assert_eq!(rig.tier.chunk_count(), 3);
     assert_eq!(rig.tier.used_bytes(), chunk_file_bytes(dir.path()));
@@ -386,7 +402,10 @@ fn short_read_removes_the_file(engine: EngineChoice) {
     let chunks = four_chunks();
     assert!(rig.store(&chunks).is_success());
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    assert_eq!(rig.load(&loads).failed, vec![key(2)]);
+    assert_eq!(
+        rig.load(&loads).failed,
+        vec![FailedKey::new(key(2), TierFailure::Corrupt)]
+    );
     for &(_, slot, len, seed) in [chunks[0], chunks[2], chunks[3]].iter() {
         assert!(rig.slot_is(slot + 8, len, seed));
     }
@@ -413,7 +432,7 @@ fn corruption_is_detected_and_quarantined(engine: EngineChoice) {
     bytes[offset as usize + 4096 + 10] ^= 0xFF;
     fs::write(&path, bytes).unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    let mut failed = rig.load(&loads).failed;
+    let mut failed = rig.load(&loads).failed_keys().collect::<Vec<_>>();
     failed.sort();
     let mut expected = vec![key(1), key(3), key(4)];
     expected.sort();
@@ -447,7 +466,7 @@ fn every_nth_rule_and_durable_stores(engine: EngineChoice) {
     let kept: Vec<_> = chunks
         .iter()
         .copied()
-        .filter(|c| !done.failed.contains(&c.0))
+        .filter(|c| done.failure_of(c.0).is_none())
         .collect();
     load_and_check(&mut rig, &kept);
 }
@@ -475,14 +494,17 @@ fn zero_copy_faults_are_caught(engine: EngineChoice) {
     }
     let aligned = rig.memory.slot_ptr(offload_core::SlotId(0)).is_some();
     let chunks: Vec<_> = (1..=5).map(|n| (key(n), n as u32, FULL, 200 + n)).collect();
-    assert_eq!(rig.store(&chunks).failed, vec![key(2)]);
+    assert_eq!(
+        rig.store(&chunks).failed,
+        vec![FailedKey::new(key(2), TierFailure::Io)]
+    );
     // Four zero-copy writes (key(2)'s short one included); key(1)'s corrupted one bounced.
     let expected_ops = if aligned { 4 } else { 0 };
     assert_eq!(rig.tier.stats().zero_copy_ops, expected_ops);
     // key(1) was stored corrupted (and still indexed): its load must fail.
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    let mut failed = rig.load(&loads[..1]).failed;
-    failed.extend(rig.load(&loads[2..]).failed);
+    let mut failed = rig.load(&loads[..1]).failed_keys().collect::<Vec<_>>();
+    failed.extend(rig.load(&loads[2..]).failed_keys());
     failed.sort();
     let mut expected = vec![key(1), key(3), key(4)];
     expected.sort();
@@ -522,7 +544,7 @@ fn neighbouring_records_are_read_at_once(engine: EngineChoice) {
         .set_len(third + 4096)
         .unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    let mut failed = rig.load(&loads).failed;
+    let mut failed = rig.load(&loads).failed_keys().collect::<Vec<_>>();
     failed.sort();
     let mut expected = vec![key(3), key(4)];
     expected.sort();
@@ -552,7 +574,10 @@ fn corrupt_record_inside_a_merged_read_fails_alone(engine: EngineChoice) {
     bytes[second as usize + 4096 + 100] ^= 0xFF;
     fs::write(&path, bytes).unwrap();
     let loads: Vec<_> = chunks.iter().map(|&(k, s, l, _)| (k, s + 8, l)).collect();
-    assert_eq!(rig.load(&loads).failed, vec![key(2)]);
+    assert_eq!(
+        rig.load(&loads).failed,
+        vec![FailedKey::new(key(2), TierFailure::Corrupt)]
+    );
     // The four records were read at once (bounce-buffered loads only).
     let merged = if zero_copy_loads { 0 } else { 4 };
     assert_eq!(rig.tier.stats().reads_merged, merged);
@@ -578,7 +603,7 @@ fn store_jobs_share_one_append_stream(engine: EngineChoice) {
                 let n = 100 + 2 * j + c;
                 let slot = (2 * j + c) as u32;
                 fill_slot(&*rig.memory, offload_core::SlotId(slot), FULL as usize, n);
-                (key(n), offload_core::SlotId(slot), FULL)
+                offload_core::TierChunk::new(key(n), offload_core::SlotId(slot), FULL)
             })
             .collect();
         let job = offload_core::tier::TierJob {
@@ -797,7 +822,11 @@ fn shutdown_returns_at_its_deadline_when_the_disk_hangs_and_keeps_memory_and_dir
         id: offload_core::JobId(1),
         request: None,
         op: offload_core::tier::TierOp::Store,
-        chunks: vec![(key(1), offload_core::SlotId(0), FULL)],
+        chunks: vec![offload_core::TierChunk::new(
+            key(1),
+            offload_core::SlotId(0),
+            FULL,
+        )],
     };
     rig.tier.submit(job).expect("accepted");
     let start = std::time::Instant::now();
@@ -854,7 +883,11 @@ fn drain_returns_at_its_deadline_when_the_disk_hangs_and_the_job_is_reported_lat
         id: offload_core::JobId(1),
         request: None,
         op: offload_core::tier::TierOp::Store,
-        chunks: vec![(key(1), offload_core::SlotId(0), FULL)],
+        chunks: vec![offload_core::TierChunk::new(
+            key(1),
+            offload_core::SlotId(0),
+            FULL,
+        )],
     };
     rig.tier.submit(job).expect("accepted");
     let start = std::time::Instant::now();

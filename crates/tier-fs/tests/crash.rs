@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use offload_core::tier::{SlotMemory, Tier, TierJob, TierLookup, TierOp};
+use offload_core::tier::{SlotMemory, Tier, TierChunk, TierJob, TierLookup, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_fs::{EngineChoice, FsTier, FsTierConfig};
 use tier_testkit::VecSlotMemory;
@@ -90,7 +90,7 @@ fn crash_child_entry() {
             let key = child_key(round, n * 4 + i);
             let slot = SlotId(i as u32);
             memory.fill(slot, len_of(key) as usize, key.hash_low());
-            chunks.push((key, slot, len_of(key)));
+            chunks.push(TierChunk::new(key, slot, len_of(key)));
         }
         let id = JobId(n + 1);
         let job = TierJob {
@@ -175,7 +175,7 @@ fn sigkill_during_stores_leaves_no_torn_chunk() {
             id,
             request: None,
             op: TierOp::Load,
-            chunks: vec![(key, SlotId(0), len_of(key))],
+            chunks: vec![TierChunk::new(key, SlotId(0), len_of(key))],
         };
         tier.submit(job).unwrap();
         let start = std::time::Instant::now();

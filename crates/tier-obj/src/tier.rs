@@ -17,7 +17,8 @@ use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use offload_core::event::Medium;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, RequestId, SlotId};
 use tokio::sync::{Notify, Semaphore};
@@ -209,14 +210,21 @@ impl Shared {
         }
     }
 
-    fn count_stop(&self, stop: &Stop) {
+    /// Counts a stop and says what it makes of the key.
+    fn count_stop(&self, stop: &Stop) -> TierFailure {
         match stop {
-            Stop::Deadline => bump(&self.counters.timeouts, 1),
-            Stop::Cancelled => bump(&self.counters.cancelled, 1),
+            Stop::Deadline => {
+                bump(&self.counters.timeouts, 1);
+                TierFailure::Timeout
+            }
+            Stop::Cancelled => {
+                bump(&self.counters.cancelled, 1);
+                TierFailure::Cancelled
+            }
         }
     }
 
-    /// One chunk of a job; true when it succeeded.
+    /// One chunk of a job; `Err` says why it failed.
     async fn chunk(
         &self,
         op: TierOp,
@@ -224,18 +232,15 @@ impl Shared {
         slot: SlotId,
         len: u32,
         cancel: &Cancel,
-    ) -> bool {
+    ) -> Result<(), TierFailure> {
         let permit_deadline = Instant::now() + self.request_deadline;
         let permit = match self
             .bounded(self.requests.acquire(), permit_deadline, cancel)
             .await
         {
             Ok(Ok(permit)) => permit,
-            Ok(Err(_closed)) => return false,
-            Err(stop) => {
-                self.count_stop(&stop);
-                return false;
-            }
+            Ok(Err(_closed)) => return Err(TierFailure::TierDown),
+            Err(stop) => return Err(self.count_stop(&stop)),
         };
         let deadline = Instant::now() + self.request_deadline;
         let ok = match op {
@@ -253,11 +258,11 @@ impl Shared {
         len: u32,
         deadline: Instant,
         cancel: &Cancel,
-    ) -> bool {
+    ) -> Result<(), TierFailure> {
         if lock(&self.index).contains(&key) {
             // Content addressing: the same key holds the same bytes.
             bump(&self.counters.stores_skipped, 1);
-            return true;
+            return Ok(());
         }
         let len = len as usize;
         let mut image = vec![0u8; file_bytes(len as u64) as usize];
@@ -274,11 +279,8 @@ impl Shared {
             let put = self.store.put(&path, PutPayload::from(data.clone()));
             match self.bounded(put, deadline, cancel).await {
                 Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(Some(e)),
-                Err(stop) => {
-                    self.count_stop(&stop);
-                    Err(None)
-                }
+                Ok(Err(e)) => Err(Ok(e)),
+                Err(stop) => Err(Err(self.count_stop(&stop))),
             }
         };
         match result {
@@ -286,34 +288,31 @@ impl Shared {
                 lock(&self.index).insert(key);
                 bump(&self.counters.chunks_stored, 1);
                 bump(&self.counters.bytes_stored, data.len() as u64);
-                true
+                Ok(())
             }
-            Err(Some(e)) => {
+            Err(Ok(e)) => {
                 bump(&self.counters.request_errors, 1);
                 tracing::warn!(path = %path, error = %e, "object tier: store failed");
-                false
+                Err(TierFailure::Io)
             }
-            Err(None) => false,
+            Err(Err(stopped)) => Err(stopped),
         }
     }
 
     /// Uploads `data` in parts of `part_bytes`; aborts the upload when a part or the completion
-    /// fails. `Err(None)`: deadline or cancel (counted here).
+    /// fails. `Err(Err(kind))`: deadline or cancel (counted here).
     async fn put_multipart(
         &self,
         path: &Path,
         data: Bytes,
         deadline: Instant,
         cancel: &Cancel,
-    ) -> Result<(), Option<object_store::Error>> {
+    ) -> Result<(), Result<object_store::Error, TierFailure>> {
         let started = self.bounded(self.store.put_multipart(path), deadline, cancel);
         let mut upload = match started.await {
             Ok(Ok(upload)) => upload,
-            Ok(Err(e)) => return Err(Some(e)),
-            Err(stop) => {
-                self.count_stop(&stop);
-                return Err(None);
-            }
+            Ok(Err(e)) => return Err(Ok(e)),
+            Err(stop) => return Err(Err(self.count_stop(&stop))),
         };
         let mut parts = Vec::new();
         let mut at = 0;
@@ -331,11 +330,8 @@ impl Shared {
                 bump(&self.counters.multipart_uploads, 1);
                 return Ok(());
             }
-            Ok(Err(e)) => Err(Some(e)),
-            Err(stop) => {
-                self.count_stop(&stop);
-                Err(None)
-            }
+            Ok(Err(e)) => Err(Ok(e)),
+            Err(stop) => Err(Err(self.count_stop(&stop))),
         };
         let abort = tokio::time::timeout(CLEANUP_DEADLINE, upload.abort()).await;
         if !matches!(abort, Ok(Ok(()))) {
@@ -351,7 +347,7 @@ impl Shared {
         len: u32,
         deadline: Instant,
         cancel: &Cancel,
-    ) -> bool {
+    ) -> Result<(), TierFailure> {
         let path = self.path_of(key);
         let fetch = async {
             let got = self.store.get(&path).await?;
@@ -362,28 +358,25 @@ impl Shared {
             Ok(Err(object_store::Error::NotFound { .. })) => {
                 bump(&self.counters.load_misses, 1);
                 lock(&self.index).remove(&key);
-                return false;
+                return Err(TierFailure::Missing);
             }
             Ok(Err(e)) => {
                 bump(&self.counters.request_errors, 1);
                 tracing::warn!(path = %path, error = %e, "object tier: load failed");
-                return false;
+                return Err(TierFailure::Io);
             }
-            Err(stop) => {
-                self.count_stop(&stop);
-                return false;
-            }
+            Err(stop) => return Err(self.count_stop(&stop)),
         };
         bump(&self.counters.bytes_loaded, bytes.len() as u64);
         match record::verify(&bytes, key, u64::from(len)) {
             Ok(payload) => {
                 self.memory.write_slot(slot, 0, payload);
                 bump(&self.counters.chunks_loaded, 1);
-                true
+                Ok(())
             }
             Err(e) => {
                 self.quarantine(key, &path, &e).await;
-                false
+                Err(TierFailure::Corrupt)
             }
         }
     }
@@ -423,7 +416,7 @@ async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
     let chunks = job.chunks.clone();
     let op = job.op;
     let inner = tokio::spawn(async move {
-        let work = chunks.iter().map(|&(key, slot, len)| {
+        let work = chunks.iter().map(|&TierChunk { key, slot, len }| {
             let shared = &inner_shared;
             let cancel = &cancel;
             async move { (key, shared.chunk(op, key, slot, len, cancel).await) }
@@ -431,15 +424,17 @@ async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
         let results = join_all(work).await;
         results
             .into_iter()
-            .filter(|&(_, ok)| !ok)
-            .map(|(key, _)| key)
+            .filter_map(|(key, result)| result.err().map(|kind| FailedKey::new(key, kind)))
             .collect::<Vec<_>>()
     });
     let failed = match inner.await {
         Ok(failed) => failed,
         Err(e) => {
             tracing::error!(job = job.id.0, error = %e, "object tier: job task failed");
-            job.chunks.iter().map(|&(key, _, _)| key).collect()
+            job.chunks
+                .iter()
+                .map(|&TierChunk { key, .. }| FailedKey::new(key, TierFailure::Io))
+                .collect()
         }
     };
     shared.finish(TierCompletion { id: job.id, failed });
@@ -542,7 +537,7 @@ impl ObjTier {
         }
         let slot_count = self.shared.memory.slot_count();
         let slot_bytes = self.shared.memory.slot_bytes();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= slot_count {
                 return Err(SubmitError::Invalid(format!(
                     "key {:#x}/{}: slot {} out of range ({slot_count} slots)",

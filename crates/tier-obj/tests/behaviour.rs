@@ -7,7 +7,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, SubmitError, Tier, TierLookup, TierOp};
+use offload_core::tier::{
+    FailedKey, SlotMemory, SubmitError, Tier, TierFailure, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_obj::object_store::memory::InMemory;
 use tier_obj::object_store::path::Path;
@@ -39,6 +41,11 @@ fn block_on<T>(fut: impl std::future::Future<Output = T>) -> T {
         .build()
         .expect("test runtime")
         .block_on(fut)
+}
+
+/// `keys`, each failed for `kind`, as a completion lists them.
+fn failed(keys: &[ChunkKey], kind: TierFailure) -> Vec<FailedKey> {
+    keys.iter().map(|&k| FailedKey::new(k, kind)).collect()
 }
 
 #[test]
@@ -172,8 +179,11 @@ fn version_2_objects_are_never_loaded() {
     let done = wait(&mut tier, 2, WAIT);
     assert_eq!(
         done.failed,
-        vec![renamed],
-        "the version 2 record fails its key"
+        vec![offload_core::tier::FailedKey::new(
+            renamed,
+            offload_core::tier::TierFailure::Corrupt
+        )],
+        "the version 2 record fails its key, as corrupt"
     );
     assert_ne!(
         mem.contents(SlotId(8))[..6000],
@@ -222,7 +232,10 @@ fn damaged_objects_fail_their_key_and_are_deleted() {
         .collect();
     tier.submit(job(2, TierOp::Load, loads)).expect("submit");
     let done = wait(&mut tier, 2, WAIT);
-    assert_eq!(done.failed, vec![key(0), key(1), key(2)]);
+    assert_eq!(
+        done.failed,
+        failed(&[key(0), key(1), key(2)], TierFailure::Corrupt)
+    );
     assert!(
         mem.matches(SlotId(11), 6000, 203),
         "the intact key still loads"
@@ -273,8 +286,11 @@ fn a_stalled_store_fails_keys_at_the_deadline() {
     tier.submit(job(2, TierOp::Load, vec![(key(2), SlotId(2), 100)]))
         .expect("submit");
     let done = wait_all(&mut tier, &[1, 2], WAIT);
-    assert_eq!(done[0].failed, vec![key(0), key(1)]);
-    assert_eq!(done[1].failed, vec![key(2)]);
+    assert_eq!(
+        done[0].failed,
+        failed(&[key(0), key(1)], TierFailure::Timeout)
+    );
+    assert_eq!(done[1].failed, failed(&[key(2)], TierFailure::Timeout));
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "{:?}",
@@ -311,8 +327,8 @@ fn busy_when_full_and_cancel_interrupts_requests_under_way() {
     tier.cancel(JobId(1));
     tier.cancel(JobId(2));
     let done = wait_all(&mut tier, &[1, 2], WAIT);
-    assert_eq!(done[0].failed, vec![key(0)]);
-    assert_eq!(done[1].failed, vec![key(1)]);
+    assert_eq!(done[0].failed, failed(&[key(0)], TierFailure::Cancelled));
+    assert_eq!(done[1].failed, failed(&[key(1)], TierFailure::Cancelled));
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "cancel waited for the deadline"
@@ -321,7 +337,10 @@ fn busy_when_full_and_cancel_interrupts_requests_under_way() {
     tier.submit(third)
         .expect("room again after the completions were polled");
     tier.cancel(JobId(3));
-    assert_eq!(wait(&mut tier, 3, WAIT).failed, vec![key(2)]);
+    assert_eq!(
+        wait(&mut tier, 3, WAIT).failed,
+        failed(&[key(2)], TierFailure::Cancelled)
+    );
     // Dropping a tier with a job under way cancels and drains it.
     tier.submit(job(4, TierOp::Store, vec![(key(3), SlotId(3), 100)]))
         .expect("fourth");

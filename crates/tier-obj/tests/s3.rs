@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierLookup, TierOp};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup, TierOp};
 use offload_core::{ChunkKey, SlotId};
 use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tier_obj::{Backend, ObjTierConfig, S3Config};
@@ -204,7 +204,7 @@ fn round_trip_and_restart(addr: SocketAddr) {
         .expect("submit");
     assert_eq!(
         wait(&mut tier, 3, Duration::from_secs(60)).failed,
-        vec![keys[1]]
+        vec![FailedKey::new(keys[1], TierFailure::Corrupt)]
     );
     assert_eq!(tier.lookup(keys[1]), TierLookup::Miss);
     runtime.block_on(async {

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use offload_core::bench::{median, BenchRow};
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
+use offload_core::tier::{SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 
 use crate::client::HASH_PIECE_BYTES;
@@ -491,7 +491,7 @@ fn publisher(
     let mut tier = P2pTier::new(bench_config(bytes, total, secret), memory)
         .map_err(|e| format!("p2p bench: publisher: {e}"))?;
     let chunks = (0..count)
-        .map(|i| (key(i), SlotId(0), bytes as u32))
+        .map(|i| TierChunk::new(key(i), SlotId(0), bytes as u32))
         .collect();
     let id = JobId(1);
     let job = TierJob {
@@ -571,7 +571,7 @@ impl Pass<'_> {
             let half = (job_index % 2) as u32 * per_job as u32;
             let chunks = (first..(first + per_job).min(count))
                 .enumerate()
-                .map(|(n, i)| (key(i), SlotId(half + n as u32), self.bytes as u32))
+                .map(|(n, i)| TierChunk::new(key(i), SlotId(half + n as u32), self.bytes as u32))
                 .collect();
             if in_flight.len() == 2 {
                 let oldest = in_flight.remove(0);

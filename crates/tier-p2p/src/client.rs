@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use offload_core::tier::{SlotMemory, TierCompletion};
+use offload_core::tier::{FailedKey, SlotMemory, TierChunk, TierCompletion, TierFailure};
 use offload_core::{ChunkKey, JobId};
 
 use crate::config::P2pConfig;
@@ -143,6 +143,9 @@ pub(crate) struct Client {
     /// Each slot's state, `None` for slots not in the member set.
     status: Arc<Mutex<Vec<Option<PeerStatus>>>>,
     scratch: Vec<u8>,
+    /// Keys of the load under way whose bytes from some peer did not verify (the wrong length,
+    /// a checksum or MAC mismatch): if no other peer supplies them they fail as `Corrupt`.
+    corrupt: Vec<ChunkKey>,
     commands: Receiver<ClientCommand>,
     /// The command taken from `commands` ahead of its turn (to send its GET early), run next.
     next: Option<ClientCommand>,
@@ -178,6 +181,7 @@ impl Client {
             member_ids: Vec::new(),
             status,
             scratch: Vec::new(),
+            corrupt: Vec::new(),
             commands,
             next: None,
             #[cfg(feature = "nixl")]
@@ -446,14 +450,17 @@ impl Client {
     /// Runs a load job: local copies, then GETs to the peers (those a lookup named first) until
     /// every chunk is loaded, the job is cancelled, or its deadline passes.
     fn load(&mut self, work: &Work) -> Option<TierCompletion> {
+        self.corrupt.clear();
         let mut done: Vec<bool> = work
             .chunks
             .iter()
-            .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk))
+            .map(|&chunk| copy_local(&self.shared, &*self.memory, chunk).is_ok())
             .collect();
         #[cfg(feature = "nixl")]
         let mut stuck = None;
-        for p in self.peer_order(work, &done) {
+        let order = self.peer_order(work, &done);
+        let mut reached = false;
+        for &p in &order {
             if done.iter().all(|&d| d) || self.control.stopped(work.id) {
                 break;
             }
@@ -461,7 +468,7 @@ impl Client {
                 continue;
             }
             match self.fetch(p, work, &mut done) {
-                Ok(()) => {}
+                Ok(()) => reached = true,
                 Err(Stop::Cancelled) => {
                     // The stream is mid-answer; drop it rather than read the rest.
                     self.disconnect(p);
@@ -492,17 +499,39 @@ impl Client {
             self.park(p, work, &done, read);
             return None;
         }
-        let failed: Vec<ChunkKey> = work
+        let kind = self.failure_kind(work, !order.is_empty() && !reached);
+        let failed: Vec<FailedKey> = work
             .chunks
             .iter()
             .zip(&done)
             .filter(|(_, &d)| !d)
-            .map(|(&(key, _, _), _)| key)
+            .map(
+                |(&TierChunk { key, .. }, _)| match self.corrupt.contains(&key) {
+                    true => FailedKey::new(key, TierFailure::Corrupt),
+                    false => FailedKey::new(key, kind),
+                },
+            )
             .collect();
         Some(TierCompletion {
             id: work.id,
             failed,
         })
+    }
+
+    /// What the keys of `work` not loaded failed of: the job was cancelled (or the tier shut
+    /// down), its deadline passed, no peer asked could be reached (`unreached`), or else no peer
+    /// had them. A key whose bytes failed verification from one peer and then was not found
+    /// elsewhere counts as one of these too (the corruption is counted in the tier's stats).
+    pub(crate) fn failure_kind(&self, work: &Work, unreached: bool) -> TierFailure {
+        if self.control.stopped(work.id) {
+            TierFailure::Cancelled
+        } else if Instant::now() >= work.deadline {
+            TierFailure::Timeout
+        } else if unreached {
+            TierFailure::TierDown
+        } else {
+            TierFailure::Missing
+        }
     }
 
     /// Peers in the order to try for `work`: those named by lookups for missing chunks (most
@@ -512,7 +541,7 @@ impl Client {
         let mut named = vec![0usize; self.peers.len()];
         let mut owning = vec![0usize; self.peers.len()];
         let missing = work.chunks.iter().zip(&work.hints).zip(done);
-        for ((&(key, _, _), hint), _) in missing.filter(|(_, &d)| !d) {
+        for ((&TierChunk { key, .. }, hint), _) in missing.filter(|(_, &d)| !d) {
             if let Some(p) = hint.map(usize::from).filter(|&p| p < named.len()) {
                 named[p] += 1;
             }
@@ -623,7 +652,7 @@ impl Client {
                 let local: Vec<bool> = work
                     .chunks
                     .iter()
-                    .map(|&(key, _, _)| published(&self.shared, key))
+                    .map(|&TierChunk { key, .. }| published(&self.shared, key))
                     .collect();
                 self.first_get(p, work, &local)
             }
@@ -679,17 +708,21 @@ impl Client {
         self.conn(p).read_exact(&mut prefix, "receive DATA")?;
         let (key, tag) = decode_data_prefix(&prefix);
         let payload_len = body_len - DATA_PREFIX_BYTES;
-        let Some(&i) = batch.iter().find(|&&i| work.chunks[i].0 == key && !done[i]) else {
+        let Some(&i) = batch
+            .iter()
+            .find(|&&i| work.chunks[i].key == key && !done[i])
+        else {
             return Err(Stop::Failed(
                 self.bad(p, format!("DATA for unrequested key {key:?}")),
             ));
         };
-        let (_, slot, len) = work.chunks[i];
+        let TierChunk { slot, len, .. } = work.chunks[i];
         if payload_len != len as usize {
             log(format_args!(
                 "peer {} sent {key:?} with {payload_len} bytes, expected {len}; not loaded",
                 self.peers[p].addr
             ));
+            self.corrupt.push(key);
             return self.discard(p, payload_len);
         }
         let verified = match self.memory.slot_ptr(slot) {
@@ -720,6 +753,7 @@ impl Client {
                 "peer {} sent {key:?} with a checksum or MAC mismatch; not loaded",
                 self.peers[p].addr
             ));
+            self.corrupt.push(key);
             return Ok(());
         }
         done[i] = true;
@@ -980,5 +1014,5 @@ fn receive_hashed(conn: &mut Conn, key: ChunkKey, dst: &mut [u8]) -> Result<u64,
 
 /// The keys of the chunks of `work` at `indexes`.
 fn keys_of(work: &Work, indexes: &[usize]) -> Vec<ChunkKey> {
-    indexes.iter().map(|&i| work.chunks[i].0).collect()
+    indexes.iter().map(|&i| work.chunks[i].key).collect()
 }

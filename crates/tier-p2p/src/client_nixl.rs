@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
-use offload_core::tier::TierCompletion;
-use offload_core::{ChunkKey, JobId, SlotId};
+use offload_core::tier::{FailedKey, TierChunk, TierCompletion};
+use offload_core::{JobId, SlotId};
 
 use super::{Client, Stop};
 use crate::error::P2pError;
@@ -36,7 +36,7 @@ pub(super) const PARKED_CHECK: Duration = Duration::from_millis(10);
 pub(super) struct Parked {
     job: JobId,
     /// The job's keys not loaded (all of them fail when it completes).
-    failed: Vec<ChunkKey>,
+    failed: Vec<FailedKey>,
     read: StuckRead,
     peer: SocketAddr,
     since: Instant,
@@ -62,7 +62,7 @@ impl Client {
                 .iter()
                 .zip(done)
                 .filter(|(_, &d)| !d)
-                .all(|(&(_, slot, _), _)| self.memory.slot_ptr(slot).is_some())
+                .all(|(&TierChunk { slot, .. }, _)| self.memory.slot_ptr(slot).is_some())
     }
 
     /// Forgets peer `p`'s NIXL state (its connection is going away).
@@ -103,7 +103,7 @@ impl Client {
         let Some(plane) = shared.nixl.get() else {
             return Ok(false);
         };
-        let keys = batch.iter().map(|&i| work.chunks[i].0).collect();
+        let keys = batch.iter().map(|&i| work.chunks[i].key).collect();
         let conn = self.conn(p);
         conn.set_deadline(work.deadline);
         conn.send(&Frame::NixlGet(keys), "send NIXL_GET")?;
@@ -189,7 +189,7 @@ impl Client {
         let (mut reads, mut targets) = (Vec::new(), Vec::new());
         for chunk in offered {
             let Some(b) =
-                (0..batch.len()).find(|&b| !claimed[b] && work.chunks[batch[b]].0 == chunk.key)
+                (0..batch.len()).find(|&b| !claimed[b] && work.chunks[batch[b]].key == chunk.key)
             else {
                 return Err(Stop::Failed(P2pError::Frame {
                     op: "receive NIXL_OFFER",
@@ -202,7 +202,7 @@ impl Client {
             };
             claimed[b] = true;
             let i = batch[b];
-            let (key, slot, len) = work.chunks[i];
+            let TierChunk { key, slot, len } = work.chunks[i];
             if chunk.len != len {
                 log(format_args!(
                     "peer {} offers {key:?} with {} bytes, expected {len}; not loaded",
@@ -246,7 +246,7 @@ impl Client {
 
     /// Checks chunk `i` (just READ into its slot) against `sum`; marks it done if it matches.
     fn verify_nixl(&mut self, p: usize, work: &Work, i: usize, sum: u64, done: &mut [bool]) {
-        let (key, slot, len) = work.chunks[i];
+        let TierChunk { key, slot, len } = work.chunks[i];
         let Some(ptr) = self.memory.slot_ptr(slot) else {
             return;
         };
@@ -262,6 +262,7 @@ impl Client {
                 "peer {} sent {key:?} by NIXL with a checksum or MAC mismatch; not loaded",
                 self.peers[p].addr
             ));
+            self.corrupt.push(key);
             return;
         }
         done[i] = true;
@@ -285,19 +286,20 @@ impl Client {
     /// Parks `work` behind its stuck READ from peer `p`: its slots stay the job's (quarantined)
     /// until NIXL ends the READ. Counted and logged.
     pub(super) fn park(&mut self, p: usize, work: &Work, done: &[bool], read: StuckRead) {
-        let failed: Vec<ChunkKey> = work
+        let kind = self.failure_kind(work, false);
+        let failed: Vec<FailedKey> = work
             .chunks
             .iter()
             .zip(done)
             .filter(|(_, &d)| !d)
-            .map(|(&(key, _, _), _)| key)
+            .map(|(&TierChunk { key, .. }, _)| FailedKey::new(key, kind))
             .collect();
         let slots: Vec<u32> = work
             .chunks
             .iter()
             .zip(done)
             .filter(|(_, &d)| !d)
-            .map(|(&(_, slot, _), _)| slot.0)
+            .map(|(&TierChunk { slot, .. }, _)| slot.0)
             .collect();
         add(&self.shared.counters.nixl_reads_quarantined, 1);
         self.control.set_quarantined(work.id, true);

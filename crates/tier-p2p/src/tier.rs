@@ -3,7 +3,7 @@
 //! and the ledger of accepted jobs; `lookup`, `submit` and `poll` only touch channels and tables,
 //! never a socket.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use offload_core::event::Medium;
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
 };
-use offload_core::{ChunkKey, JobId, RequestId};
+use offload_core::{Booked, ChunkKey, JobBook, JobId, RequestId};
 
 use crate::client::{Client, ClientCommand, LookupAnswer};
 use crate::config::P2pConfig;
@@ -64,11 +65,10 @@ fn etcd_directory(_: &P2pConfig) -> Result<Box<dyn PeerDirectory>, P2pError> {
     })
 }
 
-/// An accepted job not yet completed.
+/// What the tier keeps about an accepted job not yet completed (its keys are in the book).
 #[derive(Debug)]
 struct Held {
     op: TierOp,
-    keys: Vec<ChunkKey>,
     route: Route,
 }
 
@@ -123,7 +123,7 @@ pub struct P2pTier {
     client: Worker<ClientCommand>,
     done: Receiver<TierCompletion>,
     answers: Receiver<LookupAnswer>,
-    held: HashMap<JobId, Held>,
+    held: JobBook<Held>,
     ready: Vec<TierCompletion>,
     lookups: LookupTable,
     status: Arc<Mutex<Vec<Option<PeerStatus>>>>,
@@ -259,7 +259,7 @@ impl P2pTier {
             },
             done,
             answers,
-            held: HashMap::new(),
+            held: JobBook::new(config.jobs_in_flight_max),
             ready: Vec::new(),
             lookups,
             status,
@@ -329,25 +329,28 @@ impl P2pTier {
 
     /// Records a completion from a worker.
     fn complete(&mut self, completion: TierCompletion) {
-        let Some(held) = self.held.remove(&completion.id) else {
-            log(format_args!(
-                "broken invariant: completion of job {} that is not in flight",
-                completion.id.0
-            ));
-            debug_assert!(false, "completion of a job not in flight");
-            return;
-        };
-        debug_assert!(completion.failed.iter().all(|k| held.keys.contains(k)));
-        self.control.forget(completion.id);
-        if held.op == TierOp::Store {
-            self.push(held.keys, &completion.failed);
+        match self.held.complete(&completion) {
+            Ok(held) => self.finish(completion, held),
+            Err(e) => {
+                log(format_args!("broken invariant: {e}"));
+                debug_assert!(false, "{e}");
+            }
         }
-        if held.op == TierOp::Load {
+    }
+
+    /// Hands out the completion of a job taken out of the book.
+    fn finish(&mut self, completion: TierCompletion, held: Booked<Held>) {
+        self.control.forget(completion.id);
+        if held.value.op == TierOp::Store {
+            let failed: Vec<ChunkKey> = completion.failed_keys().collect();
+            self.push(held.keys, &failed);
+        }
+        if held.value.op == TierOp::Load {
             add(
                 &self.shared.counters.load_keys_failed,
                 completion.failed.len() as u64,
             );
-            for &key in &completion.failed {
+            for key in completion.failed_keys() {
                 self.lookups.forget(key);
             }
         }
@@ -394,35 +397,31 @@ impl P2pTier {
             return;
         }
         self.collect();
-        let orphans: Vec<JobId> = self
+        let control = &self.control;
+        let orphans = self
             .held
-            .iter()
-            .filter(|(&id, h)| match h.route {
+            .fail_where(TierFailure::TierDown, |id, h| match h.value.route {
                 Route::Local => local_gone,
                 // A quarantined job's slots stay its own (see `drain`).
-                Route::Client => client_gone && !self.control.quarantined(id),
-            })
-            .map(|(&id, _)| id)
-            .collect();
-        for id in orphans {
-            log(format_args!("job {}: its worker is gone; failing it", id.0));
-            let failed = self
-                .held
-                .get(&id)
-                .map(|h| h.keys.clone())
-                .unwrap_or_default();
-            self.complete(TierCompletion { id, failed });
+                Route::Client => client_gone && !control.quarantined(id),
+            });
+        for (completion, held) in orphans {
+            log(format_args!(
+                "job {}: its worker is gone; failing it",
+                completion.id.0
+            ));
+            self.finish(completion, held);
         }
     }
 
     /// Why `job` is malformed, if it is.
     fn invalid(&self, job: &TierJob) -> Option<String> {
-        if self.held.contains_key(&job.id) {
+        if self.held.contains(job.id) {
             return Some(format!("duplicate in-flight job id {}", job.id.0));
         }
         let mut keys = HashSet::new();
         let mut slots = HashSet::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= self.slot_count {
                 return Some(format!(
                     "slot {} out of range ({} slots)",
@@ -451,7 +450,7 @@ impl P2pTier {
         let hints = job
             .chunks
             .iter()
-            .map(|c| self.lookups.holder(c.0))
+            .map(|c| self.lookups.holder(c.key))
             .collect();
         let work = Work {
             id: job.id,
@@ -459,7 +458,7 @@ impl P2pTier {
             deadline,
             hints,
         };
-        let all_local = work.chunks.iter().all(|c| published(&self.shared, c.0));
+        let all_local = work.chunks.iter().all(|c| published(&self.shared, c.key));
         let in_flight = self.held.len();
         let refused = |full: bool| {
             if full {
@@ -536,23 +535,16 @@ impl Tier for P2pTier {
         if let Some(reason) = self.invalid(&job) {
             return Err(SubmitError::Invalid(reason));
         }
-        if self.held.len() >= self.shared.config.jobs_in_flight_max {
-            return Err(SubmitError::Busy {
-                in_flight: self.held.len(),
-            });
-        }
+        self.held.check(&job)?;
         if job.chunks.is_empty() {
-            self.ready.push(TierCompletion {
-                id: job.id,
-                failed: Vec::new(),
-            });
+            self.ready.push(TierCompletion::success(job.id));
             return Ok(());
         }
         let (id, op) = (job.id, job.op);
-        let keys = job.chunks.iter().map(|c| c.0).collect();
+        let keys = job.chunks.iter().map(|c| c.key).collect();
         let route = self.dispatch(job)?;
-        self.held.insert(id, Held { op, keys, route });
-        Ok(())
+        // `check` passed and nothing was booked since: this cannot refuse.
+        self.held.insert_keys(id, keys, Held { op, route })
     }
 
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {
@@ -564,7 +556,7 @@ impl Tier for P2pTier {
     }
 
     fn cancel(&mut self, id: JobId) {
-        if self.held.contains_key(&id) {
+        if self.held.cancel(id) {
             self.control.cancel(id);
         }
     }
@@ -572,7 +564,11 @@ impl Tier for P2pTier {
     fn drain(&mut self) {
         // A quarantined job (its NIXL READ stuck) completes only when NIXL ends the READ: not
         // waited for.
-        while self.held.keys().any(|&id| !self.control.quarantined(id)) {
+        while self
+            .held
+            .iter()
+            .any(|(id, _)| !self.control.quarantined(id))
+        {
             match self.done.recv_timeout(DRAIN_CHECK) {
                 Ok(completion) => self.complete(completion),
                 Err(RecvTimeoutError::Timeout) => self.fail_orphans(),
@@ -581,16 +577,12 @@ impl Tier for P2pTier {
                     self.fail_orphans();
                     if !self.held.is_empty() {
                         log("workers gone with jobs in flight; failing them");
-                        let ids: Vec<JobId> = self
+                        let control = &self.control;
+                        let orphans = self
                             .held
-                            .keys()
-                            .copied()
-                            .filter(|&id| !self.control.quarantined(id))
-                            .collect();
-                        for id in ids {
-                            let failed = self.held.get(&id).map(|h| h.keys.clone());
-                            let failed = failed.unwrap_or_default();
-                            self.complete(TierCompletion { id, failed });
+                            .fail_where(TierFailure::TierDown, |id, _| !control.quarantined(id));
+                        for (completion, held) in orphans {
+                            self.finish(completion, held);
                         }
                     }
                 }

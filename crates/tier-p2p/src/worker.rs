@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
-use offload_core::tier::{SlotMemory, TierCompletion};
-use offload_core::{ChunkKey, JobId, SlotId};
+use offload_core::tier::{FailedKey, SlotMemory, TierChunk, TierCompletion, TierFailure};
+use offload_core::{ChunkKey, JobId};
 
 use crate::shared::{lock, log, Shared};
 use crate::stats::add;
@@ -22,7 +22,7 @@ pub(crate) struct Work {
     /// The job.
     pub(crate) id: JobId,
     /// `(key, slot, len)` as submitted (validated).
-    pub(crate) chunks: Vec<(ChunkKey, SlotId, u32)>,
+    pub(crate) chunks: Vec<TierChunk>,
     /// When the job must be complete (loads: submission + `fetch_deadline`).
     pub(crate) deadline: Instant,
     /// For each chunk, the peer (index into the configured peers) that a lookup said holds it.
@@ -156,10 +156,14 @@ pub(crate) fn run_local(
                 let failed = work
                     .chunks
                     .iter()
-                    .filter(|&&chunk| {
-                        control.stopped(work.id) || !copy_local(shared, memory, chunk)
+                    .filter_map(|&chunk| {
+                        let copied = if control.stopped(work.id) {
+                            Err(TierFailure::Cancelled)
+                        } else {
+                            copy_local(shared, memory, chunk)
+                        };
+                        copied.err().map(|kind| FailedKey::new(chunk.key, kind))
                     })
-                    .map(|&(key, _, _)| key)
                     .collect();
                 TierCompletion {
                     id: work.id,
@@ -182,9 +186,9 @@ fn publish(
     work: &Work,
 ) -> TierCompletion {
     let mut failed = Vec::new();
-    for &(key, slot, len) in &work.chunks {
+    for &TierChunk { key, slot, len } in &work.chunks {
         if control.stopped(work.id) {
-            failed.push(key);
+            failed.push(FailedKey::new(key, TierFailure::Cancelled));
             continue;
         }
         if lock(&shared.store).contains(key) {
@@ -206,7 +210,7 @@ fn publish(
                     "cannot publish {key:?}: {len} bytes exceed `published_bytes_max` {}",
                     shared.config.published_bytes_max
                 ));
-                failed.push(key);
+                failed.push(FailedKey::new(key, TierFailure::Io));
             }
         }
     }
@@ -216,18 +220,19 @@ fn publish(
     }
 }
 
-/// Copies a published chunk into its slot after verifying it; false if it is not published
-/// here, has another length, or fails its checksum (then it is removed: quarantined).
+/// Copies a published chunk into its slot after verifying it; `Missing` if it is not published
+/// here, `Corrupt` if it has another length or fails its checksum (then it is removed:
+/// quarantined).
 pub(crate) fn copy_local(
     shared: &Shared,
     memory: &dyn SlotMemory,
-    (key, slot, len): (ChunkKey, SlotId, u32),
-) -> bool {
+    TierChunk { key, slot, len }: TierChunk,
+) -> Result<(), TierFailure> {
     let Some(chunk) = lock(&shared.store).get(key) else {
-        return false;
+        return Err(TierFailure::Missing);
     };
     if chunk.bytes.len() != len as usize {
-        return false;
+        return Err(TierFailure::Corrupt);
     }
     if checksum(&chunk.bytes) != chunk.checksum {
         add(&shared.counters.checksum_mismatches, 1);
@@ -235,10 +240,10 @@ pub(crate) fn copy_local(
             "published copy of {key:?} fails its checksum; removing it"
         ));
         lock(&shared.store).remove(key);
-        return false;
+        return Err(TierFailure::Corrupt);
     }
     memory.write_slot(slot, 0, &chunk.bytes);
-    true
+    Ok(())
 }
 
 /// Whether a key is published here (for routing a load to the local worker, and for predicting

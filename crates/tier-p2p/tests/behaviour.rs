@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierLookup};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierCompletion, TierFailure, TierLookup};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_p2p::frame::{encode_data_prefix, Frame};
 use tier_p2p::{checksum, P2pConfig, P2pTier};
@@ -76,7 +76,11 @@ fn published_chunks_are_evicted_least_recently_used_first() {
         id: JobId(7),
         request: None,
         op: offload_core::tier::TierOp::Store,
-        chunks: vec![(common::key(3), SlotId(3), BYTES)],
+        chunks: vec![offload_core::TierChunk::new(
+            common::key(3),
+            SlotId(3),
+            BYTES,
+        )],
     })
     .expect("store accepted");
     assert!(common::wait(&mut a, JobId(7), WAIT).is_success());
@@ -294,7 +298,11 @@ fn a_job_cancelled_after_its_get_went_ahead_leaves_no_stray_answer() {
     go_tx.send(()).expect("peer waits");
     let done = common::wait_all(&mut b, &[JobId(1), JobId(2)], WAIT);
     assert!(done[0].is_success(), "{done:?}");
-    assert_eq!(done[1].failed, vec![common::key(1)], "job 2 was cancelled");
+    assert_eq!(
+        done[1].failed,
+        vec![FailedKey::new(common::key(1), TierFailure::Cancelled)],
+        "job 2 was cancelled"
+    );
     assert_eq!(
         common::settle(&mut b, common::key(2), WAIT),
         TierLookup::Hit
@@ -376,7 +384,13 @@ fn bytes_that_do_not_verify_are_never_loaded() {
     let (mut b, memory) = instance(vec![addr], |_| {});
     let chunks = common::submit_load(&mut b, JobId(1), &[0, 1, 2], 0, BYTES);
     let done = common::wait(&mut b, JobId(1), WAIT);
-    assert_eq!(done.failed, vec![chunks[0].0, chunks[1].0]);
+    assert_eq!(
+        done.failed,
+        vec![
+            FailedKey::new(chunks[0].key, TierFailure::Corrupt),
+            FailedKey::new(chunks[1].key, TierFailure::Corrupt)
+        ]
+    );
     common::expect_loaded(&*memory, &[2], 2, BYTES);
     let stats = b.stats();
     assert_eq!(stats.checksum_mismatches, 1, "{stats:?}");
@@ -432,7 +446,10 @@ fn shutdown_does_not_wait_for_a_stalled_peer() {
     let mut out: Vec<TierCompletion> = Vec::new();
     b.poll(&mut out);
     assert_eq!(out.len(), 1);
-    assert_eq!(out[0].failed, vec![chunks[0].0]);
+    assert_eq!(
+        out[0].failed,
+        vec![FailedKey::new(chunks[0].key, TierFailure::Cancelled)]
+    );
     peer.join().expect("fake peer");
 }
 
@@ -456,7 +473,11 @@ fn shutdown_skips_queued_pushes_instead_of_waiting_for_each() {
             id,
             request: None,
             op: offload_core::tier::TierOp::Store,
-            chunks: vec![(common::key(i), SlotId(i as u32), 4096)],
+            chunks: vec![offload_core::TierChunk::new(
+                common::key(i),
+                SlotId(i as u32),
+                4096,
+            )],
         })
         .expect("publish accepted");
         assert!(common::wait(&mut tier, id, Duration::from_secs(20)).is_success());

@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, Tier, TierJob, TierLookup, TierOp};
+use offload_core::tier::{SlotMemory, Tier, TierChunk, TierJob, TierLookup, TierOp};
 use offload_core::{JobId, SlotId};
 use tier_p2p::{P2pConfig, P2pTier, PeerAddr};
 
@@ -28,7 +28,7 @@ fn publish_range(tier: &mut P2pTier, memory: &Arc<dyn SlotMemory>, first: u64, c
             let slot = SlotId(n as u32);
             let i = first + n;
             tier_testkit::fill_slot(&**memory, slot, BYTES as usize, common::seed(i));
-            (common::key(i), slot, BYTES)
+            TierChunk::new(common::key(i), slot, BYTES)
         })
         .collect();
     let id = JobId(500 + first);

@@ -16,7 +16,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, Tier, TierJob, TierLookup, TierOp};
+use offload_core::tier::{SlotMemory, Tier, TierChunk, TierJob, TierLookup, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_p2p::{P2pStats, P2pTier};
 
@@ -178,7 +178,7 @@ fn run(trace: &[Request], owners: usize) -> Run {
             .map(|(n, &id)| {
                 let slot = SlotId(n as u32);
                 tier_testkit::fill_slot(&**memory, slot, BYTES as usize, id);
-                (key(id), slot, BYTES)
+                TierChunk::new(key(id), slot, BYTES)
             })
             .collect();
         let job = JobId(r as u64 + 1);

@@ -185,9 +185,9 @@ mod checks {
         // so it is not READ; chunks 0 and 2 are.
         let id = JobId(7);
         let chunks = vec![
-            (common::key(0), offload_core::SlotId(0), LEN),
-            (common::key(1), offload_core::SlotId(1), LEN - 1),
-            (common::key(2), offload_core::SlotId(2), LEN),
+            offload_core::TierChunk::new(common::key(0), offload_core::SlotId(0), LEN),
+            offload_core::TierChunk::new(common::key(1), offload_core::SlotId(1), LEN - 1),
+            offload_core::TierChunk::new(common::key(2), offload_core::SlotId(2), LEN),
         ];
         pair.b
             .submit(offload_core::tier::TierJob {
@@ -198,7 +198,7 @@ mod checks {
             })
             .expect("load accepted");
         let done = common::wait(&mut pair.b, id, DEADLINE);
-        assert_eq!(done.failed, vec![common::key(1)]);
+        assert_eq!(done.failed_keys().collect::<Vec<_>>(), vec![common::key(1)]);
         let b = pair.b.stats();
         assert_eq!(b.chunks_fetched_nixl, 2, "{b:?}");
         for i in [0u64, 2] {
@@ -231,7 +231,7 @@ mod checks {
             let loaded: Vec<u64> = all
                 .iter()
                 .copied()
-                .filter(|&i| !done.failed.contains(&common::key(i)))
+                .filter(|&i| done.failure_of(common::key(i)).is_none())
                 .collect();
             for &i in &loaded {
                 common::expect_loaded(&*pair.b_memory, &[i], i as u32, LEN);

@@ -20,7 +20,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierLookup};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup};
 use offload_core::JobId;
 use tier_p2p::frame::{encode_data_prefix, Frame};
 use tier_p2p::P2pTier;
@@ -281,7 +281,8 @@ fn stalled_peer_fails_the_load_at_its_deadline() {
     fake.expect_line("MIDFETCH", Duration::from_secs(5));
     let done = common::wait(&mut b, JobId(1), Duration::from_secs(5));
     let elapsed = start.elapsed();
-    assert_eq!(done.failed, vec![common::key(0)]);
+    let timed_out = FailedKey::new(common::key(0), TierFailure::Timeout);
+    assert_eq!(done.failed, vec![timed_out]);
     assert!(
         elapsed >= Duration::from_millis(900) && elapsed < Duration::from_millis(2500),
         "the stalled load failed after {elapsed:?}, expected about its 1 s deadline"
@@ -315,7 +316,7 @@ fn killed_peer_fails_fast_and_a_restart_is_reconnected() {
     let killed = Instant::now();
     fake.kill();
     let done = common::wait(&mut b, JobId(1), Duration::from_secs(5));
-    assert_eq!(done.failed, vec![common::key(0)]);
+    assert_eq!(done.failed_keys().collect::<Vec<_>>(), vec![common::key(0)]);
     assert!(
         killed.elapsed() < Duration::from_secs(2),
         "a dead peer took {:?} to fail the load",

@@ -12,7 +12,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, Tier, TierJob, TierLookup, TierOp};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierJob, TierLookup, TierOp};
 use offload_core::JobId;
 use tier_p2p::frame::{Frame, FrameKind, DATA_PREFIX_BYTES, HEADER_BYTES, KEY_BYTES};
 use tier_p2p::{P2pConfig, P2pTier};
@@ -132,7 +132,10 @@ fn tampered_chunks_fail_their_keys(tamper: Tamper) {
     let stats = b.stats();
     assert_eq!(
         done.failed,
-        vec![common::key(0), common::key(1)],
+        vec![
+            FailedKey::new(common::key(0), TierFailure::Corrupt),
+            FailedKey::new(common::key(1), TierFailure::Corrupt)
+        ],
         "{tamper:?}: tampered chunks must fail their keys ({stats:?})"
     );
     assert_eq!(stats.chunks_fetched, 0, "{tamper:?}: {stats:?}");
@@ -267,7 +270,7 @@ fn pushed_chunks_verify_with_a_secret_and_load_byte_identical() {
         .map(|(n, &i)| {
             let slot = offload_core::SlotId(n as u32);
             tier_testkit::fill_slot(&**published, slot, BYTES as usize, common::seed(i));
-            (common::key(i), slot, BYTES)
+            offload_core::tier::TierChunk::new(common::key(i), slot, BYTES)
         })
         .collect();
     a.submit(TierJob {

@@ -5,9 +5,10 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
+    TierLookup, TierOp,
 };
-use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
+use offload_core::{ChunkKey, JobBook, JobId, Medium, RequestId, SlotId};
 
 /// Faults a [`FakeTier`] injects. Keys named here fail every time they are stored or loaded.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -112,8 +113,11 @@ pub struct FakeTier {
     config: FakeTierConfig,
     chunks: BTreeMap<ChunkKey, StoredChunk>,
     lookup_counts: BTreeMap<ChunkKey, u32>,
-    held: BTreeMap<JobId, HeldJob>,
+    /// The jobs accepted whose completion `poll` has not returned yet (offload-core's ledger).
+    held: JobBook<HeldJob>,
     ready: VecDeque<TierCompletion>,
+    /// Keys dropped by `evict`, not yet taken by `take_evicted`.
+    evicted: Vec<ChunkKey>,
     last_accepted: Option<JobId>,
     finished_requests: BTreeSet<RequestId>,
     violations: Vec<String>,
@@ -131,13 +135,15 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 impl FakeTier {
     /// A fake tier over `memory`, behaving as `config` says.
     pub fn new(memory: Arc<dyn SlotMemory>, config: FakeTierConfig) -> Self {
+        let held = JobBook::new(config.jobs_in_flight_max);
         Self {
             memory,
             config,
             chunks: BTreeMap::new(),
             lookup_counts: BTreeMap::new(),
-            held: BTreeMap::new(),
+            held,
             ready: VecDeque::new(),
+            evicted: Vec::new(),
             last_accepted: None,
             finished_requests: BTreeSet::new(),
             violations: Vec::new(),
@@ -159,6 +165,16 @@ impl FakeTier {
     /// The bytes stored under `key`, if any.
     pub fn stored_bytes(&self, key: ChunkKey) -> Option<&[u8]> {
         self.chunks.get(&key).map(|chunk| chunk.bytes.as_slice())
+    }
+
+    /// Drops `key` as an eviction would (tests): reported by the next `take_evicted`. False if
+    /// the tier did not hold it.
+    pub fn evict(&mut self, key: ChunkKey) -> bool {
+        if self.chunks.remove(&key).is_none() {
+            return false;
+        }
+        self.evicted.push(key);
+        true
     }
 
     /// Number of chunks held.
@@ -190,16 +206,11 @@ impl FakeTier {
         if let Some(reason) = self.invalid_reason(job) {
             return Some(SubmitError::Invalid(reason));
         }
-        if self.held.len() >= self.config.jobs_in_flight_max {
-            return Some(SubmitError::Busy {
-                in_flight: self.held.len(),
-            });
-        }
-        None
+        self.held.check(job).err()
     }
 
     fn invalid_reason(&self, job: &TierJob) -> Option<String> {
-        if self.held.contains_key(&job.id) {
+        if self.held.contains(job.id) {
             return Some(format!("duplicate in-flight job id {}", job.id.0));
         }
         if let Some(last) = self.last_accepted.filter(|last| job.id <= *last) {
@@ -216,7 +227,7 @@ impl FakeTier {
         let slot_bytes = self.memory.slot_bytes();
         let mut keys = BTreeSet::new();
         let mut slots = BTreeSet::new();
-        for &(key, slot, len) in &job.chunks {
+        for &TierChunk { key, slot, len } in &job.chunks {
             if slot.0 >= slot_count {
                 return Some(format!(
                     "slot {} out of range (slot_count {slot_count})",
@@ -238,13 +249,15 @@ impl FakeTier {
 
     /// A held job that owns one of `job`'s slots in a conflicting way.
     fn slot_conflict(&self, job: &TierJob) -> Option<String> {
-        for held in self.held.values() {
+        for held in self.held.iter().map(|(_, b)| &b.value) {
             let both_read = held.job.op == TierOp::Store && job.op == TierOp::Store;
             if both_read {
                 continue;
             }
-            let held_slots: BTreeSet<SlotId> = held.job.chunks.iter().map(|c| c.1).collect();
-            if let Some(&(_, slot, _)) = job.chunks.iter().find(|c| held_slots.contains(&c.1)) {
+            let held_slots: BTreeSet<SlotId> = held.job.chunks.iter().map(|c| c.slot).collect();
+            if let Some(&TierChunk { slot, .. }) =
+                job.chunks.iter().find(|c| held_slots.contains(&c.slot))
+            {
                 return Some(format!(
                     "slot {} is owned by in-flight job {}",
                     slot.0, held.job.id.0
@@ -256,7 +269,7 @@ impl FakeTier {
 
     /// Runs (or, when `cancelled`, abandons) a held job and queues its completion.
     fn complete(&mut self, id: JobId, cancelled: bool) {
-        let Some(held) = self.held.get_mut(&id) else {
+        let Some(held) = self.held.value_mut(id) else {
             return;
         };
         if held.done {
@@ -266,7 +279,9 @@ impl FakeTier {
         let job = held.job.clone();
         let failed = if cancelled {
             self.stats.jobs_cancelled += 1;
-            job.chunks.iter().map(|c| c.0).collect()
+            let keys = job.chunks.iter().map(|c| c.key);
+            keys.map(|key| FailedKey::new(key, TierFailure::Cancelled))
+                .collect()
         } else {
             self.transfer(&job)
         };
@@ -275,41 +290,43 @@ impl FakeTier {
     }
 
     /// Moves the job's chunks; returns the keys that failed.
-    fn transfer(&mut self, job: &TierJob) -> Vec<ChunkKey> {
+    fn transfer(&mut self, job: &TierJob) -> Vec<FailedKey> {
         let mut failed = Vec::new();
-        for &(key, slot, len) in &job.chunks {
-            let ok = match job.op {
+        for &TierChunk { key, slot, len } in &job.chunks {
+            let moved = match job.op {
                 TierOp::Store => self.store_chunk(key, slot, len as usize),
                 TierOp::Load => self.load_chunk(key, slot, len as usize),
             };
-            if !ok {
-                failed.push(key);
+            if let Err(kind) = moved {
+                failed.push(FailedKey::new(key, kind));
             }
         }
         failed
     }
 
-    fn store_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> bool {
+    /// An injected store failure is an I/O failure.
+    fn store_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> Result<(), TierFailure> {
         if self.config.faults.store_fail.contains(&key) {
-            return false;
+            return Err(TierFailure::Io);
         }
         let mut bytes = vec![0u8; len];
         self.memory.read_slot(slot, 0, &mut bytes);
         let checksum = checksum(&bytes);
         self.chunks.insert(key, StoredChunk { bytes, checksum });
-        true
+        Ok(())
     }
 
-    fn load_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> bool {
+    /// An injected load failure is an I/O failure, a length or checksum mismatch corruption.
+    fn load_chunk(&mut self, key: ChunkKey, slot: SlotId, len: usize) -> Result<(), TierFailure> {
         if self.config.faults.load_fail.contains(&key) {
-            return false;
+            return Err(TierFailure::Io);
         }
         let Some(chunk) = self.chunks.get(&key) else {
-            return false;
+            return Err(TierFailure::Missing);
         };
         if chunk.bytes.len() != len {
             // A load must ask for exactly the stored length; anything else is a short read.
-            return false;
+            return Err(TierFailure::Corrupt);
         }
         let expected = chunk.checksum;
         let mut bytes = chunk.bytes.clone();
@@ -324,9 +341,9 @@ impl FakeTier {
         if checksum(&landed) != expected {
             self.stats.corruption_detected += 1;
             self.chunks.remove(&key);
-            return false;
+            return Err(TierFailure::Corrupt);
         }
-        true
+        Ok(())
     }
 
     /// Completes every held job that is not done: run it, or fail it when `cancel` or stalled.
@@ -334,8 +351,8 @@ impl FakeTier {
         let pending: Vec<JobId> = self
             .held
             .iter()
-            .filter(|(_, h)| !h.done)
-            .map(|(id, _)| *id)
+            .filter(|(_, h)| !h.value.done)
+            .map(|(id, _)| id)
             .collect();
         let cancel = cancel || self.config.faults.stall;
         for id in pending {
@@ -382,23 +399,21 @@ impl Tier for FakeTier {
         };
         self.stats.jobs_accepted += 1;
         self.last_accepted = Some(job.id);
-        self.held.insert(
-            job.id,
-            HeldJob {
-                job,
-                polls_left,
-                done: false,
-            },
-        );
-        Ok(())
+        let held = HeldJob {
+            job: job.clone(),
+            polls_left,
+            done: false,
+        };
+        // `refusal` checked it against the book: this cannot refuse.
+        self.held.insert(&job, held)
     }
 
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {
         if !self.config.faults.stall {
             let mut due = Vec::new();
-            for (id, held) in self.held.iter_mut().filter(|(_, h)| !h.done) {
+            for (id, held) in self.held.values_mut().filter(|(_, h)| !h.done) {
                 if held.polls_left == 0 {
-                    due.push(*id);
+                    due.push(id);
                 } else {
                     held.polls_left -= 1;
                 }
@@ -408,7 +423,12 @@ impl Tier for FakeTier {
             }
         }
         while let Some(completion) = self.ready.pop_front() {
-            self.held.remove(&completion.id);
+            if let Err(e) = self.held.complete(&completion) {
+                // The fake's own bug: never handed out, so the conformance suite reports the job
+                // as lost.
+                self.violations.push(format!("fake tier: {e}"));
+                continue;
+            }
             self.stats.completions_returned += 1;
             out.push(completion);
         }
@@ -416,6 +436,11 @@ impl Tier for FakeTier {
 
     fn cancel(&mut self, id: JobId) {
         self.complete(id, true);
+    }
+
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        out.append(&mut self.evicted);
+        0
     }
 
     fn drain(&mut self) {

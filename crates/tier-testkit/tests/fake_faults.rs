@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use offload_core::tier::{SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    FailedKey, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
+};
 use offload_core::{ChunkKey, JobId, RequestId, SlotId};
 use tier_testkit::{FakeTier, FakeTierConfig, FaultPlan, VecSlotMemory};
 
@@ -21,7 +24,7 @@ fn job(id: u64, op: TierOp, chunks: &[(u64, u32, u32)]) -> TierJob {
         op,
         chunks: chunks
             .iter()
-            .map(|&(k, slot, len)| (key(k), SlotId(slot), len))
+            .map(|&(k, slot, len)| TierChunk::new(key(k), SlotId(slot), len))
             .collect(),
     }
 }
@@ -124,7 +127,10 @@ fn load_with_another_length_fails() {
     store(&memory, &mut tier, 1, 5, 0, 77);
     tier.submit(job(2, TierOp::Load, &[(5, 3, 78)]))
         .expect("accepted");
-    assert_eq!(poll(&mut tier)[0].failed, vec![key(5)]);
+    assert_eq!(
+        poll(&mut tier)[0].failed,
+        vec![FailedKey::new(key(5), TierFailure::Corrupt)]
+    );
 }
 
 #[test]
@@ -141,7 +147,10 @@ fn store_failure_fails_only_that_key() {
     memory.fill(SlotId(1), 10, 2);
     tier.submit(job(1, TierOp::Store, &[(1, 0, 10), (2, 1, 10)]))
         .expect("accepted");
-    assert_eq!(poll(&mut tier)[0].failed, vec![key(2)]);
+    assert_eq!(
+        poll(&mut tier)[0].failed,
+        vec![FailedKey::new(key(2), TierFailure::Io)]
+    );
     assert!(tier.contains(key(1)));
     assert!(!tier.contains(key(2)));
     assert_eq!(tier.lookup(key(2)), TierLookup::Miss);
@@ -166,7 +175,10 @@ fn load_failure_leaves_slot_untouched() {
     memory.fill(SlotId(4), SLOT_BYTES, 42);
     tier.submit(job(2, TierOp::Load, &[(1, 4, 10)]))
         .expect("accepted");
-    assert_eq!(poll(&mut tier)[0].failed, vec![key(1)]);
+    assert_eq!(
+        poll(&mut tier)[0].failed,
+        vec![FailedKey::new(key(1), TierFailure::Io)]
+    );
     assert!(memory.matches(SlotId(4), SLOT_BYTES, 42));
     tier.faults_mut().load_fail.clear();
     tier.submit(job(3, TierOp::Load, &[(1, 4, 10)]))
@@ -194,7 +206,7 @@ fn corruption_is_detected_as_a_failed_key_and_quarantined() {
         done,
         vec![TierCompletion {
             id: JobId(3),
-            failed: vec![key(1)]
+            failed: vec![FailedKey::new(key(1), TierFailure::Corrupt)]
         }]
     );
     assert!(
@@ -234,7 +246,7 @@ fn stall_completes_only_by_cancel_drain_or_shutdown() {
         poll(&mut tier),
         vec![TierCompletion {
             id: JobId(1),
-            failed: vec![key(1)]
+            failed: vec![FailedKey::new(key(1), TierFailure::Cancelled)]
         }]
     );
     tier.drain();
@@ -251,7 +263,7 @@ fn stall_completes_only_by_cancel_drain_or_shutdown() {
         poll(&mut tier),
         vec![TierCompletion {
             id: JobId(4),
-            failed: vec![key(4)]
+            failed: vec![FailedKey::new(key(4), TierFailure::Cancelled)]
         }]
     );
     assert!(!tier.contains(key(1)) && !tier.contains(key(3)));

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierCompletion, TierFailure, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, Medium, RequestId};
 use tier_testkit::conformance::{self, vec_memory, MakeTier, SuiteConfig};
@@ -27,6 +27,7 @@ enum Break {
     DrainDoesNotDeliver,
     DrainHangs,
     FailAllKeysOnPartialMiss,
+    MissingReportedAsIo,
 }
 
 /// `FakeTier` with one promise broken.
@@ -80,7 +81,13 @@ impl Tier for Broken {
                 Break::SilentCorruption => self.corrupt(&completion),
                 Break::FailAllKeysOnPartialMiss if !completion.failed.is_empty() => {
                     if let Some(job) = self.loads.iter().find(|j| j.id == completion.id) {
-                        completion.failed = job.chunks.iter().map(|c| c.0).collect();
+                        let keys = job.chunks.iter().map(|c| c.key);
+                        completion = TierCompletion::all_failed(job.id, keys, TierFailure::Missing);
+                    }
+                }
+                Break::MissingReportedAsIo => {
+                    for failed in &mut completion.failed {
+                        failed.kind = TierFailure::Io;
                     }
                 }
                 _ => {}
@@ -122,7 +129,9 @@ impl Broken {
         let Some(job) = self.loads.iter().find(|j| j.id == completion.id) else {
             return;
         };
-        if let (true, Some(&(_, slot, _))) = (completion.is_success(), job.chunks.first()) {
+        if let (true, Some(&offload_core::TierChunk { slot, .. })) =
+            (completion.is_success(), job.chunks.first())
+        {
             let mut byte = [0u8];
             self.memory.read_slot(slot, 0, &mut byte);
             self.memory.write_slot(slot, 0, &[byte[0] ^ 1]);
@@ -291,6 +300,15 @@ fn failing_present_keys_beside_a_missing_one_is_caught() {
         "load_of_missing_key_fails_only_that_key",
         Break::FailAllKeysOnPartialMiss,
         "failed keys",
+    );
+}
+
+#[test]
+fn a_missing_key_reported_with_another_failure_kind_is_caught() {
+    expect_failure(
+        "load_of_missing_key_fails_only_that_key",
+        Break::MissingReportedAsIo,
+        "expected it alone, Missing",
     );
 }
 

@@ -4,10 +4,10 @@
 
 use std::collections::BTreeSet;
 
-use offload_core::tier::{SubmitError, TierJob, TierOp};
+use offload_core::tier::{SubmitError, TierChunk, TierJob, TierOp};
 use offload_core::{ChunkKey, KvEvent, OffloadManager, RequestId};
 
-use super::{Chunk, InFlight, QueuedCascade, TieringManager};
+use super::{InFlight, QueuedCascade, TieringManager};
 
 impl TieringManager {
     /// Pins the ready chunks among `keys` and submits one Store job per tier.
@@ -25,10 +25,10 @@ impl TieringManager {
                 ));
                 return;
             }
-            let chunks: Vec<Chunk> = keys
+            let chunks: Vec<TierChunk> = keys
                 .iter()
                 .zip(&slots)
-                .map(|(&k, &s)| (k, s, len))
+                .map(|(&k, &s)| TierChunk::new(k, s, len))
                 .collect();
             if !self.tiers[tier].cascades.is_empty() {
                 // Keep submission order: older cascades of this tier go first.
@@ -41,7 +41,7 @@ impl TieringManager {
         }
     }
 
-    fn queue_cascade(&mut self, tier: usize, request: RequestId, chunks: Vec<Chunk>) {
+    fn queue_cascade(&mut self, tier: usize, request: RequestId, chunks: Vec<TierChunk>) {
         let queued_ns = self.now();
         self.tiers[tier].cascades.push_back(QueuedCascade {
             request,
@@ -57,8 +57,8 @@ impl TieringManager {
         &mut self,
         tier: usize,
         request: RequestId,
-        chunks: Vec<Chunk>,
-    ) -> Option<Vec<Chunk>> {
+        chunks: Vec<TierChunk>,
+    ) -> Option<Vec<TierChunk>> {
         let id = self.allocate_job();
         let job = TierJob {
             id,
@@ -91,7 +91,7 @@ impl TieringManager {
             }
             Err(_) => {
                 entry.counters.jobs_dropped += 1;
-                let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+                let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
                 self.host.complete_load(&keys);
                 None
             }
@@ -134,7 +134,7 @@ impl TieringManager {
 
     /// Releases a queued cascade's host pins (it will not be submitted).
     fn unqueue_cascade(&mut self, cascade: &QueuedCascade) {
-        let keys: Vec<ChunkKey> = cascade.chunks.iter().map(|c| c.0).collect();
+        let keys: Vec<ChunkKey> = cascade.chunks.iter().map(|c| c.key).collect();
         self.host.complete_load(&keys);
         if let Some(r) = self.requests.get_mut(&cascade.request) {
             r.cascades_queued -= 1;
@@ -169,13 +169,13 @@ impl TieringManager {
         failed: &BTreeSet<ChunkKey>,
         elapsed: u64,
     ) {
-        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+        let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
         self.host.complete_load(&keys);
         let medium = self.tiers[tier].medium;
         let counters = &mut self.tiers[tier].counters;
         counters.store_ns += elapsed;
         let mut stored = Vec::new();
-        for &(key, _, len) in &job.chunks {
+        for &TierChunk { key, len, .. } in &job.chunks {
             if failed.contains(&key) {
                 counters.store_chunks_failed += 1;
             } else {

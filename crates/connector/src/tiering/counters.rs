@@ -1,10 +1,69 @@
 //! The tiering manager's counters: per secondary tier ([`TierCounters`]) and its own
 //! ([`TieringCounters`]).
 
+use offload_core::tier::TierFailure;
 use serde::Serialize;
 
 #[cfg(doc)]
 use super::TieringManager;
+
+/// Failed chunks of one tier (stores and promotions together) by the [`TierFailure`] the tier
+/// reported. Every failed promotion is a recompute whatever its kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct FailureCounts {
+    /// [`TierFailure::Missing`]: the tier did not hold the chunk.
+    pub missing: u64,
+    /// [`TierFailure::Corrupt`]: the bytes did not verify.
+    pub corrupt: u64,
+    /// [`TierFailure::Cancelled`]: cancelled before the transfer (deadline, drain, shutdown).
+    pub cancelled: u64,
+    /// [`TierFailure::TierDown`]: the tier could not serve (shut down, unreachable).
+    pub tier_down: u64,
+    /// [`TierFailure::Timeout`]: a deadline of the tier passed.
+    pub timeout: u64,
+    /// [`TierFailure::Io`]: an I/O or transport error, no space.
+    pub io: u64,
+    /// A kind this version does not know (the enum is non-exhaustive).
+    pub other: u64,
+}
+
+impl FailureCounts {
+    /// Counts one failed chunk of `kind`.
+    pub fn add(&mut self, kind: TierFailure) {
+        *self.slot(kind) += 1;
+    }
+
+    /// Failed chunks of `kind`.
+    pub fn of(&self, kind: TierFailure) -> u64 {
+        let mut copy = *self;
+        *copy.slot(kind)
+    }
+
+    /// Every count with its label (`TierFailure::name`, and `"other"`), for metrics.
+    pub fn labelled(&self) -> [(&'static str, u64); 7] {
+        [
+            (TierFailure::Missing.name(), self.missing),
+            (TierFailure::Corrupt.name(), self.corrupt),
+            (TierFailure::Cancelled.name(), self.cancelled),
+            (TierFailure::TierDown.name(), self.tier_down),
+            (TierFailure::Timeout.name(), self.timeout),
+            (TierFailure::Io.name(), self.io),
+            ("other", self.other),
+        ]
+    }
+
+    fn slot(&mut self, kind: TierFailure) -> &mut u64 {
+        match kind {
+            TierFailure::Missing => &mut self.missing,
+            TierFailure::Corrupt => &mut self.corrupt,
+            TierFailure::Cancelled => &mut self.cancelled,
+            TierFailure::TierDown => &mut self.tier_down,
+            TierFailure::Timeout => &mut self.timeout,
+            TierFailure::Io => &mut self.io,
+            _ => &mut self.other,
+        }
+    }
+}
 
 /// Counters of one tier (secondary tiers; the host pool's come from [`HostPool::stats`]).
 ///
@@ -38,6 +97,12 @@ pub struct TierCounters {
     pub chunks_loaded: u64,
     /// Chunks whose promotion failed (the engine recomputes).
     pub load_chunks_failed: u64,
+    /// Failed chunks, stores and promotions, by the kind the tier reported.
+    pub failures: FailureCounts,
+    /// Keys the tier reported dropping by itself (`Tier::take_evicted`), each a `Removed` event.
+    pub evictions_reported: u64,
+    /// Removals the tier dropped unreported because its list was full (no event for them).
+    pub evictions_unreported: u64,
     /// Bytes promoted successfully.
     pub bytes_loaded: u64,
     /// Nanoseconds from submit to completion, summed over load jobs.

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use offload_core::tier::{TierCompletion, TierOp};
-use offload_core::{ChunkKey, OffloadManager, SlotId};
+use offload_core::{ChunkKey, KvEvent, OffloadManager, SlotId};
 
 use super::{TieringManager, RESET_DRAIN_POLL_INTERVAL_NS};
 
@@ -109,8 +109,22 @@ impl TieringManager {
             for completion in completions.drain(..) {
                 self.apply_completion(tier, completion);
             }
+            self.take_evicted(tier);
         }
         self.scratch_completions = completions;
+    }
+
+    /// Turns the keys `tier` dropped by itself into `Removed` events with its medium.
+    fn take_evicted(&mut self, tier: usize) {
+        let mut keys = Vec::new();
+        let lost = self.tiers[tier].tier.take_evicted(&mut keys);
+        let entry = &mut self.tiers[tier];
+        entry.counters.evictions_reported += keys.len() as u64;
+        entry.counters.evictions_unreported += lost;
+        let medium = entry.medium;
+        for key in keys {
+            self.push_tier_event(tier, KvEvent::Removed { key, medium });
+        }
     }
 
     fn apply_completion(&mut self, tier: usize, completion: TierCompletion) {
@@ -144,21 +158,28 @@ impl TieringManager {
         };
         if job.held {
             // From before a reset: its keys mean nothing now; only its slots' holds end.
-            let slots: Vec<SlotId> = job.chunks.iter().map(|c| c.1).collect();
+            let slots: Vec<SlotId> = job.chunks.iter().map(|c| c.slot).collect();
             self.host.release_held(&slots);
             self.tiers[tier].counters.reset_held_jobs_reported += 1;
             return;
         }
-        let failed: BTreeSet<ChunkKey> = completion.failed.iter().copied().collect();
+        let failed: BTreeSet<ChunkKey> = completion.failed_keys().collect();
         if let Some(stray) = failed
             .iter()
-            .find(|k| !job.chunks.iter().any(|c| c.0 == **k))
+            .find(|k| !job.chunks.iter().any(|c| c.key == **k))
         {
             let name = self.tiers[tier].name.clone();
             self.broken(format_args!(
                 "tier {name} failed key {:#x}/{} which job {} does not name",
                 stray.hash, stray.group, id.0
             ));
+        }
+        let mut counted = BTreeSet::new();
+        for f in &completion.failed {
+            let named = job.chunks.iter().any(|c| c.key == f.key);
+            if named && counted.insert(f.key) {
+                self.tiers[tier].counters.failures.add(f.kind);
+            }
         }
         let elapsed = self.now().saturating_sub(job.submitted_ns);
         match job.op {

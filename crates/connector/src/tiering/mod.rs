@@ -47,11 +47,11 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use offload_core::invariant;
-use offload_core::tier::{Tier, TierCompletion, TierOp};
+use offload_core::tier::{Tier, TierChunk, TierCompletion, TierOp};
 #[cfg(doc)]
 use offload_core::OffloadManager;
 use offload_core::{
-    ChunkKey, CoreError, HostPool, JobId, KvEvent, Medium, PreparedStore, RequestId, SlotId,
+    ChunkKey, CoreError, HostPool, JobId, KvEvent, Medium, PreparedStore, RequestId,
 };
 
 mod cascade;
@@ -63,7 +63,7 @@ mod offload;
 mod options;
 mod promotion;
 
-pub use counters::{TierCounters, TieringCounters};
+pub use counters::{FailureCounts, TierCounters, TieringCounters};
 pub use events::TierEvent;
 pub use options::{TierMask, TieringOptions};
 
@@ -82,14 +82,11 @@ pub const HOST_TIER_NAME: &str = "cpu";
 /// How long a reset sleeps (on the manager's clock) between two polls of the tiers.
 pub const RESET_DRAIN_POLL_INTERVAL_NS: u64 = 1_000_000;
 
-/// A chunk of a tier job: key, host slot, payload bytes.
-type Chunk = (ChunkKey, SlotId, u32);
-
 /// A cascade refused as busy and queued: its request, chunks (pinned), and when it was queued.
 #[derive(Debug)]
 struct QueuedCascade {
     request: RequestId,
-    chunks: Vec<Chunk>,
+    chunks: Vec<TierChunk>,
     queued_ns: u64,
 }
 
@@ -110,7 +107,7 @@ struct InFlight {
     /// The request the job was submitted for.
     request: RequestId,
     op: TierOp,
-    chunks: Vec<Chunk>,
+    chunks: Vec<TierChunk>,
     submitted_ns: u64,
     cancelled: bool,
     /// Still in flight when a reset ended: its host slots are held (out of use) until the tier
@@ -166,7 +163,7 @@ pub struct TieringManager {
     /// Host load pins: first key of each `prepare_load` call, with its start times.
     host_loads: BTreeMap<ChunkKey, VecDeque<u64>>,
     /// Promotions queued this step: one batch per (request, tier).
-    promotions: BTreeMap<(RequestId, usize), Vec<Chunk>>,
+    promotions: BTreeMap<(RequestId, usize), Vec<TierChunk>>,
     /// When each batch of `promotions` was first queued (a busy tier keeps it queued).
     promotions_queued_ns: BTreeMap<(RequestId, usize), u64>,
     /// Requests finished with no host store pending, waiting for queued cascades to go out.

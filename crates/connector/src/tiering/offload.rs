@@ -161,7 +161,7 @@ impl OffloadManager for TieringManager {
         let queued = std::mem::take(&mut self.promotions);
         self.promotions_queued_ns.clear();
         for chunks in queued.into_values() {
-            let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
+            let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.key).collect();
             self.host.complete_store(&keys, false);
         }
         // Tier I/O reads and writes host slots. The wait has a deadline, after which what is

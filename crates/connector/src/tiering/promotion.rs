@@ -4,10 +4,10 @@
 
 use std::collections::BTreeSet;
 
-use offload_core::tier::{SubmitError, TierJob, TierLookup, TierOp};
+use offload_core::tier::{SubmitError, TierChunk, TierJob, TierLookup, TierOp};
 use offload_core::{ChunkKey, LookupResult, OffloadManager, RequestId};
 
-use super::{Chunk, InFlight, TieringManager};
+use super::{InFlight, TieringManager};
 
 impl TieringManager {
     /// Asks the allowed secondary tiers for `key` after a host miss.
@@ -93,7 +93,7 @@ impl TieringManager {
         self.promotions
             .entry((request, tier))
             .or_default()
-            .push((key, slot, len));
+            .push(TierChunk::new(key, slot, len));
         LookupResult::Pending
     }
 
@@ -145,8 +145,8 @@ impl TieringManager {
 
     /// Frees the host slots of promotions that will not happen; the requests waiting for them
     /// recompute, and `request` does not ask `tier` for these keys again.
-    fn cancel_promotion(&mut self, request: RequestId, tier: usize, chunks: &[Chunk]) {
-        let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.0).collect();
+    fn cancel_promotion(&mut self, request: RequestId, tier: usize, chunks: &[TierChunk]) {
+        let keys: Vec<ChunkKey> = chunks.iter().map(|c| c.key).collect();
         self.host.complete_store(&keys, false);
         if let Some(r) = self.requests.get_mut(&request) {
             r.failed.extend(keys.iter().map(|&k| (k, tier)));
@@ -247,7 +247,7 @@ impl TieringManager {
     ) {
         let mut ok = Vec::new();
         let mut bad = Vec::new();
-        for &(key, _, _) in &job.chunks {
+        for &TierChunk { key, .. } in &job.chunks {
             if failed.contains(&key) {
                 bad.push(key);
             } else {

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
 use tempfile::TempDir;
 use tier_fs::io::uring::UringEngine;
@@ -107,7 +109,10 @@ impl Rig {
             id,
             request: Some(RequestId(1)),
             op,
-            chunks,
+            chunks: chunks
+                .into_iter()
+                .map(|(key, slot, len)| TierChunk::new(key, slot, len))
+                .collect(),
         }
     }
 
@@ -258,6 +263,9 @@ impl OwnedDirTier {
 impl Tier for OwnedDirTier {
     fn name(&self) -> &str {
         self.tier.name()
+    }
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        self.tier.take_evicted(out)
     }
     fn medium(&self) -> Medium {
         self.tier.medium()

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierOp};
+use offload_core::tier::{SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierOp};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_obj::object_store::ObjectStore;
 use tier_obj::{NamespaceId, ObjTier, ObjTierConfig};
@@ -106,7 +106,10 @@ pub fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob
         id: JobId(id),
         request: None,
         op,
-        chunks,
+        chunks: chunks
+            .into_iter()
+            .map(|(key, slot, len)| TierChunk::new(key, slot, len))
+            .collect(),
     }
 }
 

@@ -7,7 +7,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierCompletion, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, JobId, SlotId};
 use tier_p2p::{Namespace, P2pConfig, P2pTier};
 
@@ -106,7 +108,7 @@ pub fn publish(tier: &mut P2pTier, memory: &Arc<dyn SlotMemory>, count: u64, len
         .map(|i| {
             let slot = SlotId(i as u32);
             tier_testkit::fill_slot(&**memory, slot, len as usize, seed(i));
-            (key(i), slot, len)
+            TierChunk::new(key(i), slot, len)
         })
         .collect();
     let id = JobId(1_000_000);
@@ -128,11 +130,11 @@ pub fn submit_load(
     indices: &[u64],
     first_slot: u32,
     len: u32,
-) -> Vec<(ChunkKey, SlotId, u32)> {
+) -> Vec<TierChunk> {
     let chunks: Vec<_> = indices
         .iter()
         .enumerate()
-        .map(|(n, &i)| (key(i), SlotId(first_slot + n as u32), len))
+        .map(|(n, &i)| TierChunk::new(key(i), SlotId(first_slot + n as u32), len))
         .collect();
     tier.submit(TierJob {
         id,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use offload_core::tier::{
-    SlotMemory, SubmitError, Tier, TierCompletion, TierJob, TierLookup, TierOp,
+    SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, RequestId, SlotId};
 
@@ -120,7 +120,7 @@ impl Harness {
     }
 
     /// A job with a fresh id and no request.
-    pub(crate) fn job(&mut self, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {
+    pub(crate) fn job(&mut self, op: TierOp, chunks: Vec<TierChunk>) -> TierJob {
         let id = self.job_id();
         TierJob {
             id,
@@ -196,9 +196,9 @@ impl Harness {
         if self.completions.contains_key(&id) {
             self.fail(format!("job {} completed more than once", id.0));
         }
-        let keys: BTreeSet<ChunkKey> = job.chunks.iter().map(|c| c.0).collect();
+        let keys: BTreeSet<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
         let mut seen = BTreeSet::new();
-        for key in &completion.failed {
+        for key in &completion.failed_keys().collect::<Vec<_>>() {
             if !keys.contains(key) {
                 self.fail(format!(
                     "job {} lists failed key {key:?} that it does not name",

@@ -15,7 +15,9 @@ mod harness;
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::tier::{SlotMemory, SubmitError, Tier, TierJob, TierLookup, TierOp};
+use offload_core::tier::{
+    FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierFailure, TierJob, TierLookup, TierOp,
+};
 use offload_core::{ChunkKey, RequestId, SlotId};
 
 use crate::memory::VecSlotMemory;
@@ -175,9 +177,9 @@ fn seed_of(index: u64) -> u64 {
 }
 
 /// Fills `slot` with key `index`'s bytes and returns its chunk entry.
-fn prepared(h: &Harness, index: u64, slot: u32, len: u32) -> (ChunkKey, SlotId, u32) {
+fn prepared(h: &Harness, index: u64, slot: u32, len: u32) -> TierChunk {
     h.fill(SlotId(slot), len, seed_of(index));
-    (h.key(index), SlotId(slot), len)
+    TierChunk::new(h.key(index), SlotId(slot), len)
 }
 
 /// Stores keys `(index, slot, len)` in one job and fails unless it succeeds.
@@ -200,7 +202,7 @@ fn load_ok(h: &mut Harness, entries: &[(u64, u32, u32)], what: &str) {
     }
     let chunks = entries
         .iter()
-        .map(|&(i, slot, len)| (h.key(i), SlotId(slot), len))
+        .map(|&(i, slot, len)| TierChunk::new(h.key(i), SlotId(slot), len))
         .collect();
     let job = h.job(TierOp::Load, chunks);
     let id = h.submit(&job);
@@ -281,7 +283,7 @@ pub fn every_accepted_job_completes_once(config: &SuiteConfig, make: &mut MakeTi
         } else {
             200 + u64::from(index)
         };
-        let chunk = (
+        let chunk = TierChunk::new(
             h.key(key_index),
             SlotId(16 + index),
             lens[index as usize % 4],
@@ -303,9 +305,9 @@ pub fn refused_submit_has_no_effect(config: &SuiteConfig, make: &mut MakeTier<'_
     let refused = [
         vec![
             prepared(&h, 0, 0, slot_bytes),
-            (h.key(1), SlotId(outside), slot_bytes),
+            TierChunk::new(h.key(1), SlotId(outside), slot_bytes),
         ],
-        vec![(h.key(2), SlotId(1), slot_bytes + 1)],
+        vec![TierChunk::new(h.key(2), SlotId(1), slot_bytes + 1)],
     ];
     for chunks in refused {
         let job = h.job(TierOp::Store, chunks);
@@ -357,16 +359,16 @@ pub fn load_of_missing_key_fails_only_that_key(config: &SuiteConfig, make: &mut 
     }
     let missing = h.key(1);
     let chunks = vec![
-        (h.key(0), SlotId(8), lens[0]),
-        (missing, SlotId(9), lens[0]),
-        (h.key(2), SlotId(10), lens[1]),
+        TierChunk::new(h.key(0), SlotId(8), lens[0]),
+        TierChunk::new(missing, SlotId(9), lens[0]),
+        TierChunk::new(h.key(2), SlotId(10), lens[1]),
     ];
     let job = h.job(TierOp::Load, chunks);
     let id = h.submit(&job);
     let done = h.wait(id);
-    if done.failed != [missing] {
+    if done.failed != [FailedKey::new(missing, TierFailure::Missing)] {
         h.fail(format!(
-            "load with one missing key {missing:?} failed keys {:?}",
+            "load with one missing key {missing:?} failed keys {:?} (expected it alone, Missing)",
             done.failed
         ));
     }
@@ -382,12 +384,15 @@ pub fn load_of_missing_key_fails_only_that_key(config: &SuiteConfig, make: &mut 
         seed_of(2),
         "present key loaded beside a missing one",
     );
-    let only_missing = h.job(TierOp::Load, vec![(h.key(5), SlotId(11), lens[2])]);
+    let only_missing = h.job(
+        TierOp::Load,
+        vec![TierChunk::new(h.key(5), SlotId(11), lens[2])],
+    );
     let id = h.submit(&only_missing);
     let done = h.wait(id);
-    if done.failed != [h.key(5)] {
+    if done.failed != [FailedKey::new(h.key(5), TierFailure::Missing)] {
         h.fail(format!(
-            "load of one missing key failed keys {:?}",
+            "load of one missing key failed keys {:?} (expected it, Missing)",
             done.failed
         ));
     }
@@ -414,7 +419,7 @@ pub fn cancel_still_completes_once(config: &SuiteConfig, make: &mut MakeTier<'_>
     let mut loadable = Vec::new();
     for &(index, slot, len) in &entries {
         let key = h.key(index);
-        if !done.failed.contains(&key) {
+        if done.failure_of(key).is_none() {
             h.expect_lookup(
                 key,
                 TierLookup::Hit,
@@ -441,15 +446,15 @@ pub fn cancel_still_completes_once(config: &SuiteConfig, make: &mut MakeTier<'_>
     let load = h.job(
         TierOp::Load,
         vec![
-            (h.key(10), SlotId(16), lens[0]),
-            (h.key(11), SlotId(17), lens[1]),
+            TierChunk::new(h.key(10), SlotId(16), lens[0]),
+            TierChunk::new(h.key(11), SlotId(17), lens[1]),
         ],
     );
     h.submit(&load);
     h.tier().cancel(load.id);
     let done = h.wait(load.id);
     for (index, slot, len) in [(10, 16, lens[0]), (11, 17, lens[1])] {
-        if !done.failed.contains(&h.key(index)) {
+        if done.failure_of(h.key(index)).is_none() {
             h.expect_slot(
                 SlotId(slot),
                 len,
@@ -493,7 +498,10 @@ pub fn shutdown_refuses_submit_and_returns_pending(config: &SuiteConfig, make: &
         let job = h.job(TierOp::Store, vec![chunk]);
         h.submit(&job);
     }
-    let load = h.job(TierOp::Load, vec![(h.key(0), SlotId(8), lens[0])]);
+    let load = h.job(
+        TierOp::Load,
+        vec![TierChunk::new(h.key(0), SlotId(8), lens[0])],
+    );
     h.submit(&load);
     h.shutdown();
     h.expect_all_returned_by_one_poll("shutdown");
@@ -561,7 +569,11 @@ pub fn many_jobs_in_flight(config: &SuiteConfig, make: &mut MakeTier<'_>) {
     for index in 0..key_count {
         let job = h.job(
             TierOp::Store,
-            vec![(h.key(index), SlotId(slot_of(index)), len_of(index))],
+            vec![TierChunk::new(
+                h.key(index),
+                SlotId(slot_of(index)),
+                len_of(index),
+            )],
         );
         stores.push(h.submit(&job));
     }
@@ -574,7 +586,10 @@ pub fn many_jobs_in_flight(config: &SuiteConfig, make: &mut MakeTier<'_>) {
             let index = round * u64::from(half) + offset;
             let slot = SlotId(half + offset as u32);
             h.fill(slot, lens[0], 0xBAD0_0000 + index);
-            let job = h.job(TierOp::Load, vec![(h.key(index), slot, len_of(index))]);
+            let job = h.job(
+                TierOp::Load,
+                vec![TierChunk::new(h.key(index), slot, len_of(index))],
+            );
             loads.push((h.submit(&job), index, slot));
         }
         for &(id, index, slot) in &loads {
@@ -611,7 +626,7 @@ pub fn keys_equal_in_low_64_bits_are_distinct(config: &SuiteConfig, make: &mut M
     let (a, b, c) = (h.key(0), h.key_high_xor(0, 1), h.key_high_xor(0, 1 << 63));
     let seeds = [(a, 0xA000_0001u64), (b, 0xB000_0002), (c, 0xC000_0003)];
     h.fill(SlotId(0), len, seeds[0].1);
-    let job = h.job(TierOp::Store, vec![(a, SlotId(0), len)]);
+    let job = h.job(TierOp::Store, vec![TierChunk::new(a, SlotId(0), len)]);
     let id = h.submit(&job);
     h.wait_success(id, "store of the first key");
     h.expect_lookup(a, TierLookup::Hit, "stored");
@@ -625,10 +640,16 @@ pub fn keys_equal_in_low_64_bits_are_distinct(config: &SuiteConfig, make: &mut M
     for slot in 8..10 {
         h.fill(SlotId(slot), len, 0xBAD0_0000 + u64::from(slot));
     }
-    let job = h.job(TierOp::Load, vec![(a, SlotId(8), len), (b, SlotId(9), len)]);
+    let job = h.job(
+        TierOp::Load,
+        vec![
+            TierChunk::new(a, SlotId(8), len),
+            TierChunk::new(b, SlotId(9), len),
+        ],
+    );
     let id = h.submit(&job);
     let done = h.wait(id);
-    if done.failed != [b] {
+    if done.failed != [FailedKey::new(b, TierFailure::Missing)] {
         h.fail(format!(
             "load of {a:?} and {b:?} (never stored, same low 64 bits) failed keys {:?}",
             done.failed
@@ -644,25 +665,28 @@ pub fn keys_equal_in_low_64_bits_are_distinct(config: &SuiteConfig, make: &mut M
     h.fill(SlotId(2), len, seeds[2].1);
     let job = h.job(
         TierOp::Store,
-        vec![(b, SlotId(1), len), (c, SlotId(2), len)],
+        vec![
+            TierChunk::new(b, SlotId(1), len),
+            TierChunk::new(c, SlotId(2), len),
+        ],
     );
     let id = h.submit(&job);
     h.wait_success(
         id,
         "store of the two keys that differ only in their high bits",
     );
-    let loads: Vec<(ChunkKey, SlotId, u32)> = seeds
+    let loads: Vec<TierChunk> = seeds
         .iter()
         .enumerate()
-        .map(|(i, &(key, _))| (key, SlotId(10 + i as u32), len))
+        .map(|(i, &(key, _))| TierChunk::new(key, SlotId(10 + i as u32), len))
         .collect();
-    for &(_, slot, _) in &loads {
+    for &TierChunk { slot, .. } in &loads {
         h.fill(slot, len, 0xBAD0_0000 + u64::from(slot.0));
     }
     let job = h.job(TierOp::Load, loads.clone());
     let id = h.submit(&job);
     h.wait_success(id, "load of three keys equal in their low 64 bits");
-    for (&(_, seed), &(_, slot, _)) in seeds.iter().zip(&loads) {
+    for (&(_, seed), &TierChunk { slot, .. }) in seeds.iter().zip(&loads) {
         h.expect_slot(slot, len, seed, "each key loads its own bytes");
     }
     h.finish();
