@@ -30,7 +30,7 @@ from kvtier._kvtier import (
     ConnectorScheduler,
     ConnectorWorker,
     HostPool,
-    block_hashes_to_u64,
+    block_hashes_to_u128,
     cuda_unavailable_reason,
     resolve_connector_config,
 )
@@ -305,7 +305,7 @@ def round_trip(device: str, slow_compute: bool = False):
     before the load is started: the load must land after it."""
     e = Native(device)
     torch = e.torch
-    hashes = block_hashes_to_u64([f"block-{i}".encode() for i in range(4)])
+    hashes = block_hashes_to_u128([f"block-{i}".encode() for i in range(4)])
     e.sched.on_new_request(1, 64, None)
     assert e.sched.get_num_new_matched_tokens(1, 64, hashes, 0) == 0
     e.sched.update_state_after_alloc(1, [0, 1, 2, 3], 0)
