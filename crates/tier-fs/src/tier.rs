@@ -223,6 +223,7 @@ impl FsTier {
                 segment_bytes: segment_bytes(&config),
                 shared_dir: config.shared_dir,
                 zero_copy_loads: config.zero_copy_loads,
+                strict: offload_core::invariant::STRICT_DEFAULT,
             };
             let worker = Worker::new(engine, Arc::clone(&memory), Arc::clone(&shared), settings);
             let done_tx = done_tx.clone();

@@ -36,7 +36,7 @@ use crate::error::P2pError;
 use crate::frame::{decode_data_prefix, Frame, FrameError, FrameKind, DATA_PREFIX_BYTES};
 use crate::handshake;
 use crate::peer::PeerAddr;
-use crate::shared::{lock, log, Shared};
+use crate::shared::{broken, lock, log, Shared};
 use crate::stats::{add, PeerStatus};
 use crate::worker::{copy_local, published, Control, Work};
 
@@ -600,6 +600,8 @@ impl Client {
             }
             let last = b + 1 == batches.len();
             let mut received = 0u32;
+            // Where in `batch` the next DATA may be: answers come in request order.
+            let mut from = 0usize;
             loop {
                 if last {
                     self.ask_ahead(p)?;
@@ -615,7 +617,8 @@ impl Client {
                     break;
                 }
                 received += 1;
-                self.receive_data(p, work, batch, header.body_len, done)?;
+                self.receive_data(p, work, &batch[from..], header.body_len, done)
+                    .map(|at| from += at + 1)?;
                 if self.control.stopped(work.id) {
                     return Err(Stop::Cancelled);
                 }
@@ -689,16 +692,19 @@ impl Client {
         })
     }
 
-    /// Receives one DATA body (its header read) for one of `batch`'s chunks: into the slot, then
-    /// verified. A payload of the wrong length is read and dropped; its chunk stays not done.
+    /// Receives one DATA body (its header read) for one of `rest`'s chunks (the GET's chunks
+    /// after the last one answered: answers come in request order, each key at most once): into
+    /// the slot, then verified; returns its position in `rest`. A payload of the wrong length is
+    /// read and dropped; its chunk stays not done. A DATA for a key not in `rest` (not asked,
+    /// already answered, or out of order) is a protocol error of the peer.
     fn receive_data(
         &mut self,
         p: usize,
         work: &Work,
-        batch: &[usize],
+        rest: &[usize],
         body_len: usize,
         done: &mut [bool],
-    ) -> Result<(), Stop> {
+    ) -> Result<usize, Stop> {
         if body_len <= DATA_PREFIX_BYTES {
             return Err(Stop::Failed(
                 self.bad(p, format!("DATA body of {body_len} bytes")),
@@ -708,22 +714,38 @@ impl Client {
         self.conn(p).read_exact(&mut prefix, "receive DATA")?;
         let (key, tag) = decode_data_prefix(&prefix);
         let payload_len = body_len - DATA_PREFIX_BYTES;
-        let Some(&i) = batch
+        let Some(at) = rest
             .iter()
-            .find(|&&i| work.chunks[i].key == key && !done[i])
+            .position(|&i| work.chunks[i].key == key && !done[i])
         else {
-            return Err(Stop::Failed(
-                self.bad(p, format!("DATA for unrequested key {key:?}")),
-            ));
+            return Err(Stop::Failed(self.bad(
+                p,
+                format!("DATA for {key:?}, not among the keys still to answer in request order"),
+            )));
         };
+        let i = rest[at];
         let TierChunk { slot, len, .. } = work.chunks[i];
+        let (slot_bytes, slot_count) = (self.memory.slot_bytes(), self.memory.slot_count());
+        if len as usize > slot_bytes || slot.0 >= slot_count {
+            // Submit checked both: the job's chunk no longer fits its slot. Nothing is written;
+            // the payload is read past, and the chunk fails (recompute).
+            broken(
+                &self.shared,
+                format_args!(
+                    "p2p client: DATA of {key:?} for {len} bytes into slot {} (slot_count \
+                     {slot_count}) of {slot_bytes} bytes",
+                    slot.0
+                ),
+            );
+            return self.discard(p, payload_len).map(|()| at);
+        }
         if payload_len != len as usize {
             log(format_args!(
                 "peer {} sent {key:?} with {payload_len} bytes, expected {len}; not loaded",
                 self.peers[p].addr
             ));
             self.corrupt.push(key);
-            return self.discard(p, payload_len);
+            return self.discard(p, payload_len).map(|()| at);
         }
         let verified = match self.memory.slot_ptr(slot) {
             Some(ptr) => {
@@ -754,12 +776,12 @@ impl Client {
                 self.peers[p].addr
             ));
             self.corrupt.push(key);
-            return Ok(());
+            return Ok(at);
         }
         done[i] = true;
         add(&self.shared.counters.chunks_fetched, 1);
         add(&self.shared.counters.bytes_fetched, u64::from(len));
-        Ok(())
+        Ok(at)
     }
 
     /// Reads and drops `len` payload bytes.

@@ -2,6 +2,7 @@
 //! locking that survives a poisoned mutex, log lines, and named thread spawning.
 
 use std::fmt::Display;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
@@ -21,6 +22,9 @@ pub(crate) struct Shared {
     pub(crate) store: Mutex<PublishedStore>,
     /// Counters.
     pub(crate) counters: Counters,
+    /// A broken invariant panics ([`broken`]); [`offload_core::invariant::STRICT_DEFAULT`]
+    /// (debug builds) unless a test sets it (`P2pTier::set_strict_invariants`).
+    pub(crate) strict: AtomicBool,
     /// The NIXL data plane, made on first use when enabled and its library loads.
     #[cfg(feature = "nixl")]
     pub(crate) nixl: crate::nixl::LazyPlane,
@@ -35,6 +39,16 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Logs one warning (target `kvtier::tier_p2p`) through `tracing`.
 pub(crate) fn log(message: impl Display) {
     tracing::warn!(target: "kvtier::tier_p2p", "{message}");
+}
+
+/// Reports a broken invariant of the tier's threads (design.md section 4): panics in strict mode;
+/// otherwise counts it (`P2pStats::invariant_failures`), logs it and returns, and the caller
+/// fails what it concerns (a chunk: the engine recomputes it).
+#[track_caller]
+pub(crate) fn broken(shared: &Shared, what: std::fmt::Arguments<'_>) {
+    crate::stats::add(&shared.counters.invariant_failures, 1);
+    log(format_args!("broken invariant: {what}"));
+    offload_core::invariant::broken(shared.strict.load(Ordering::Relaxed), what);
 }
 
 /// Starts a named thread.

@@ -67,6 +67,10 @@ pub struct P2pStats {
     pub connections_refused_busy: u64,
     /// Served connections closed because of a malformed or oversized frame.
     pub frames_rejected: u64,
+    /// Bookkeeping invariants broken at the I/O edge (a chunk then fails, never loaded wrong;
+    /// the tier's job book refusing a completion): only without strict invariants (release
+    /// builds); strict mode (debug builds) panics.
+    pub invariant_failures: u64,
 }
 
 /// The live counters behind [`P2pStats`].
@@ -97,6 +101,7 @@ pub(crate) struct Counters {
     pub(crate) handshakes_refused: AtomicU64,
     pub(crate) connections_refused_busy: AtomicU64,
     pub(crate) frames_rejected: AtomicU64,
+    pub(crate) invariant_failures: AtomicU64,
 }
 
 /// Adds `n` to a counter.
@@ -144,6 +149,7 @@ impl Counters {
             handshakes_refused: get(&self.handshakes_refused),
             connections_refused_busy: get(&self.connections_refused_busy),
             frames_rejected: get(&self.frames_rejected),
+            invariant_failures: get(&self.invariant_failures),
         }
     }
 }

@@ -190,6 +190,7 @@ impl P2pTier {
             },
             store: Mutex::new(PublishedStore::new(config.published_bytes_max)),
             counters: Counters::default(),
+            strict: std::sync::atomic::AtomicBool::new(offload_core::invariant::STRICT_DEFAULT),
             #[cfg(feature = "nixl")]
             nixl: crate::nixl::LazyPlane::new(config.nixl),
             config,
@@ -280,6 +281,16 @@ impl P2pTier {
         &self.shared.config
     }
 
+    /// Test seam: whether a broken invariant panics (default
+    /// [`offload_core::invariant::STRICT_DEFAULT`], on in debug builds) or is counted in
+    /// [`P2pStats::invariant_failures`] and fails its chunk.
+    #[doc(hidden)]
+    pub fn set_strict_invariants(&self, strict: bool) {
+        self.shared
+            .strict
+            .store(strict, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> P2pStats {
         let store = lock(&self.shared.store);
@@ -331,10 +342,7 @@ impl P2pTier {
     fn complete(&mut self, completion: TierCompletion) {
         match self.held.complete(&completion) {
             Ok(held) => self.finish(completion, held),
-            Err(e) => {
-                log(format_args!("broken invariant: {e}"));
-                debug_assert!(false, "{e}");
-            }
+            Err(e) => crate::shared::broken(&self.shared, format_args!("p2p tier: {e}")),
         }
     }
 

@@ -400,6 +400,43 @@ fn bytes_that_do_not_verify_are_never_loaded() {
     peer.join().expect("fake peer");
 }
 
+/// A GET is answered in request order, each key at most once: a DATA frame for a key the
+/// client already passed (out of order, or repeated) is a protocol error of the peer. The chunk
+/// already received stays loaded; the one it skipped fails; nothing else is written.
+#[test]
+fn data_out_of_request_order_or_repeated_fails_the_peer() {
+    for repeat in [false, true] {
+        let (addr, peer) = fake_peer(move |raw, keys| {
+            let index = |key: ChunkKey| (0..3).find(|&i| common::key(i) == key).expect("asked");
+            let again = if repeat { keys[1] } else { keys[0] };
+            let mut answer = Vec::new();
+            for i in [index(keys[1]), index(again)] {
+                let bytes = tier_testkit::pattern(common::seed(i), BYTES as usize);
+                let key = common::key(i);
+                encode_data_prefix(key, checksum(&bytes), bytes.len(), &mut answer);
+                answer.extend_from_slice(&bytes);
+            }
+            Frame::End { sent: 2 }.encode(&mut answer);
+            // The client may close the connection at the second DATA frame.
+            let _ = std::io::Write::write_all(&mut raw.stream, &answer);
+        });
+        let (mut b, memory) = instance(vec![addr], |_| {});
+        tier_testkit::fill_slot(&*memory, SlotId(0), BYTES as usize, 77);
+        let chunks = common::submit_load(&mut b, JobId(1), &[0, 1], 0, BYTES);
+        let done = common::wait(&mut b, JobId(1), WAIT);
+        let failed: Vec<_> = done.failed_keys().collect();
+        assert_eq!(failed, vec![chunks[0].key], "repeat {repeat}");
+        common::expect_loaded(&*memory, &[1], 1, BYTES);
+        let untouched = tier_testkit::first_mismatch(&*memory, SlotId(0), BYTES as usize, 77);
+        assert_eq!(untouched, None, "repeat {repeat}: slot 0 was written");
+        let stats = b.stats();
+        assert_eq!(stats.peer_failures, 1, "repeat {repeat}: {stats:?}");
+        assert_eq!(stats.chunks_fetched, 1, "repeat {repeat}: {stats:?}");
+        b.shutdown();
+        peer.join().expect("fake peer");
+    }
+}
+
 #[test]
 fn idle_connections_are_replaced_before_the_peer_closes_them() {
     let idle = Duration::from_millis(200);
@@ -490,4 +527,96 @@ fn shutdown_skips_queued_pushes_instead_of_waiting_for_each() {
         (3..=4).contains(&stats.pushes_skipped_at_shutdown),
         "the queued batches (one chunk each) are skipped: {stats:?}"
     );
+}
+
+/// Host memory whose slot size can shrink after the tier was made (the tier checked chunk
+/// lengths against the size at creation): a job's chunk then no longer fits its slot, which the
+/// client must never write past.
+struct ShrinkingMemory {
+    inner: tier_testkit::VecSlotMemory,
+    slot_bytes: std::sync::atomic::AtomicUsize,
+}
+
+impl SlotMemory for ShrinkingMemory {
+    fn slot_bytes(&self) -> usize {
+        self.slot_bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn slot_count(&self) -> u32 {
+        self.inner.slot_count()
+    }
+    fn read_slot(&self, slot: SlotId, offset: usize, dst: &mut [u8]) {
+        self.inner.read_slot(slot, offset, dst)
+    }
+    fn write_slot(&self, slot: SlotId, offset: usize, src: &[u8]) {
+        self.inner.write_slot(slot, offset, src)
+    }
+}
+
+/// Panic messages of this test binary's threads (the client's panic happens on its thread).
+static PANICS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn record_panics() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let text = info
+                .payload()
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| {
+                    info.payload()
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                });
+            if let Some(text) = text {
+                PANICS.lock().unwrap_or_else(|e| e.into_inner()).push(text);
+            }
+            previous(info);
+        }));
+    });
+}
+
+/// A DATA frame for a chunk that no longer fits its slot (the memory shrank after submit
+/// checked it) is a broken invariant: lenient mode counts it and fails the chunk without
+/// writing a byte into the slot; strict mode panics naming it.
+#[test]
+fn data_for_a_chunk_past_its_slot_is_never_written() {
+    record_panics();
+    let (mut a, memory) = instance(Vec::new(), |_| {});
+    common::publish(&mut a, &memory, 1, BYTES);
+    for (n, strict) in [(0u64, false), (1, true)] {
+        let shrinking = Arc::new(ShrinkingMemory {
+            inner: tier_testkit::VecSlotMemory::new(8, BYTES as usize),
+            slot_bytes: std::sync::atomic::AtomicUsize::new(BYTES as usize),
+        });
+        let memory: Arc<dyn SlotMemory> = shrinking.clone();
+        let mut b = P2pTier::new(common::config(vec![a.local_addr()]), Arc::clone(&memory))
+            .expect("tier starts");
+        b.set_strict_invariants(strict);
+        tier_testkit::fill_slot(&*memory, SlotId(1), BYTES as usize, 77);
+        shrinking
+            .slot_bytes
+            .store(BYTES as usize / 2, std::sync::atomic::Ordering::Relaxed);
+        let id = JobId(10 + n);
+        common::submit_load(&mut b, id, &[0], 1, BYTES);
+        if strict {
+            common::eventually("the client panics", WAIT, || {
+                let panics = PANICS.lock().unwrap_or_else(|e| e.into_inner());
+                panics
+                    .iter()
+                    .any(|m| m.contains("invariant broken") && m.contains("p2p client: DATA of"))
+            });
+        } else {
+            let done = common::wait(&mut b, id, WAIT);
+            assert_eq!(done.failed_keys().collect::<Vec<_>>(), vec![common::key(0)]);
+            assert_eq!(b.stats().invariant_failures, 1, "{:?}", b.stats());
+            assert_eq!(b.stats().chunks_fetched, 0, "{:?}", b.stats());
+        }
+        shrinking
+            .slot_bytes
+            .store(BYTES as usize, std::sync::atomic::Ordering::Relaxed);
+        let slot = tier_testkit::first_mismatch(&*memory, SlotId(1), BYTES as usize, 77);
+        assert_eq!(slot, None, "strict {strict}: the slot was written");
+    }
 }

@@ -123,8 +123,9 @@ impl Worker {
             }
             for completion in batch.drain(..) {
                 reaped += 1;
-                if let Some(pending) = waiting.remove(&completion.tag) {
-                    results.push((pending, completion.result, completion.buf));
+                match waiting.remove(&completion.tag) {
+                    Some(pending) => results.push((pending, completion.result, completion.buf)),
+                    None => self.unknown_tag(completion.tag, "operation"),
                 }
             }
             handle(self, &mut results);

@@ -191,13 +191,13 @@ impl Worker {
             // Nothing in flight, yet reads are waiting: the engine lost them.
             self.give_up_load_ops();
         }
-        let results: Vec<_> = reaped
-            .into_iter()
-            .filter_map(|c| {
-                let pending = self.load_ops.remove(&c.tag)?;
-                Some((pending, c.result, c.buf))
-            })
-            .collect();
+        let mut results = Vec::with_capacity(reaped.len());
+        for c in reaped {
+            match self.load_ops.remove(&c.tag) {
+                Some(pending) => results.push((pending, c.result, c.buf)),
+                None => self.unknown_tag(c.tag, "read"),
+            }
+        }
         self.loads_done(results);
         self.finish_loads();
     }
@@ -378,8 +378,8 @@ impl Worker {
             members,
         };
         add(&self.stats().reads_merged, head.members.len() as u64);
-        let op = self.op_for(OpKind::Read, &head, bytes as usize, buf, None);
-        out.push((head, Ready::Op(op)));
+        let ready = self.op_for(OpKind::Read, &head, bytes as usize, buf, None);
+        out.push((head, ready));
     }
 
     /// A read descriptor of `location`'s segment (cached), with or without O_DIRECT.
@@ -497,8 +497,8 @@ impl Worker {
             Err(e) => return (pending, Ready::Injected(e, buf)),
         };
         buf.clear();
-        let op = self.op_for(OpKind::Read, &pending, len, buf, span);
-        (pending, Ready::Op(op))
+        let ready = self.op_for(OpKind::Read, &pending, len, buf, span);
+        (pending, ready)
     }
 
     /// Handles a load's completion; pushes the operation to retry buffered after EINVAL.
@@ -663,6 +663,10 @@ impl Worker {
         };
         match verify(image, key, u64::from(pending.len)) {
             Ok(payload) => {
+                if !self.verified_fits(pending, image, payload.len()) {
+                    failed.add(self.stats(), pending.job, key, FailureKind::Io);
+                    return;
+                }
                 self.memory.write_slot(pending.slot, 0, payload);
                 add(&self.stats().chunks_loaded, 1);
                 add(&self.stats().bytes_loaded, u64::from(pending.len));
@@ -675,6 +679,39 @@ impl Worker {
                 failed.add(self.stats(), pending.job, key, FailureKind::Corrupt);
             }
         }
+    }
+
+    /// Checks, before a verified payload is copied into its slot, that the record's header
+    /// names the key and length the job asked for and that the copy stays inside the slot
+    /// (`len <= slot_bytes`); a record that fails this passed verification while it should
+    /// not have: a broken invariant (see [`Worker::broken`]), and the chunk fails uncopied.
+    pub(super) fn verified_fits(&self, pending: &Pending, image: &[u8], copy_len: usize) -> bool {
+        let header = Header::decode(&image[..HEADER_BYTES.min(image.len())]).ok();
+        let (key, len) = (pending.key, pending.len);
+        if header.map(|h| (h.key, h.payload_len)) != Some((key, u64::from(len))) {
+            self.broken(format_args!(
+                "verified record of {:#x}/{} has header {header:?}, not the requested key and \
+                 length {len}",
+                key.hash, key.group
+            ));
+            return false;
+        }
+        let slot_bytes = self.memory.slot_bytes();
+        if copy_len != len as usize
+            || copy_len > slot_bytes
+            || pending.slot.0 >= self.memory.slot_count()
+        {
+            self.broken(format_args!(
+                "load copy of {:#x}/{}: {copy_len} bytes (requested {len}) into slot {} of \
+                 {slot_bytes} bytes (slot_count {})",
+                key.hash,
+                key.group,
+                pending.slot.0,
+                self.memory.slot_count()
+            ));
+            return false;
+        }
+        true
     }
 
     /// Verifies a record read straight into its slot (header in `buf`, payload in the slot) in

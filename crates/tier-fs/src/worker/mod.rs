@@ -55,7 +55,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use offload_core::tier::{FailedKey, SlotMemory, TierChunk, TierCompletion, TierJob, TierOp};
-use offload_core::{ChunkKey, JobId, SlotId};
+use offload_core::{invariant, ChunkKey, JobId, SlotId};
 
 use crate::config::Durability;
 use crate::direct::{create_for_write, is_einval, open_for_read, reopen_buffered_for_write, warn};
@@ -159,6 +159,9 @@ pub(crate) struct WorkerSettings {
     pub(crate) shared_dir: bool,
     /// Loads may read payloads straight into slots (`FsTierConfig::zero_copy_loads`).
     pub(crate) zero_copy_loads: bool,
+    /// A broken invariant at the I/O edge panics (see [`Worker::broken`]); the tier sets
+    /// [`invariant::STRICT_DEFAULT`] (debug builds), the rule of offload-core.
+    pub(crate) strict: bool,
 }
 
 /// The failed keys of the jobs run together (one load job, or the group of store jobs the
@@ -458,6 +461,30 @@ impl Worker {
             .collect()
     }
 
+    /// Reports a broken invariant of the worker at the I/O edge (design.md section 4): panics in
+    /// strict mode; otherwise counts it in `invariant_failures`, logs it and returns, and the
+    /// caller fails the chunk (the engine recomputes it) without touching its slot.
+    #[track_caller]
+    fn broken(&self, what: std::fmt::Arguments<'_>) {
+        add(&self.stats().invariant_failures, 1);
+        let message = format!("tier-fs worker: {what}");
+        warn(
+            self.stats(),
+            self.settings.quiet,
+            &format!("broken invariant: {message}"),
+        );
+        invariant::broken(self.settings.strict, format_args!("{message}"));
+    }
+
+    /// A completion whose tag names no operation in flight (unknown, or reaped twice): a broken
+    /// invariant of the engine; the completion is dropped.
+    #[track_caller]
+    fn unknown_tag(&self, tag: u64, what: &str) {
+        self.broken(format_args!(
+            "a completion's tag {tag} names no {what} in flight (unknown or reaped twice)"
+        ));
+    }
+
     fn stats(&self) -> &StatsCell {
         &self.shared.stats
     }
@@ -580,6 +607,18 @@ mod tests {
     }
 
     fn worker(dir: &std::path::Path, shared: &Arc<Shared>, memory: &Arc<VecSlotMemory>) -> Worker {
+        // Threads for every job's (merged) read at once.
+        let engine = Box::new(SyncEngine::new(8).unwrap());
+        worker_with(dir, shared, memory, engine, true)
+    }
+
+    fn worker_with(
+        dir: &std::path::Path,
+        shared: &Arc<Shared>,
+        memory: &Arc<VecSlotMemory>,
+        engine: Box<dyn IoEngine>,
+        strict: bool,
+    ) -> Worker {
         let namespace = NamespaceId {
             model: "worker-test".into(),
             dtype: "bf16".into(),
@@ -596,15 +635,202 @@ mod tests {
             segment_bytes: 16 << 20,
             shared_dir: false,
             zero_copy_loads: false,
+            strict,
         };
         let memory: Arc<dyn SlotMemory> = Arc::clone(memory) as Arc<dyn SlotMemory>;
-        // Threads for every job's (merged) read at once.
-        Worker::new(
-            Box::new(SyncEngine::new(8).unwrap()),
-            memory,
-            Arc::clone(shared),
-            settings,
-        )
+        Worker::new(engine, memory, Arc::clone(shared), settings)
+    }
+
+    /// An engine whose completions come back under another tag than their operation's (a
+    /// broken engine): every tag is shifted by 2^62.
+    struct ShiftedTags(SyncEngine);
+
+    impl IoEngine for ShiftedTags {
+        fn name(&self) -> &'static str {
+            "shifted-tags"
+        }
+        fn submit(&mut self, ops: Vec<IoOp>) -> Result<(), (io::Error, Vec<IoOp>)> {
+            self.0.submit(ops)
+        }
+        fn reap(&mut self, out: &mut Vec<crate::io::IoCompletion>, min: usize) -> io::Result<()> {
+            let from = out.len();
+            self.0.reap(out, min)?;
+            for c in &mut out[from..] {
+                c.tag ^= 1 << 62;
+            }
+            Ok(())
+        }
+        fn in_flight(&self) -> usize {
+            self.0.in_flight()
+        }
+        fn parallel_max(&self) -> usize {
+            self.0.parallel_max()
+        }
+    }
+
+    /// The panic message of `f`, or `None` if it returned.
+    fn panic_of<T>(f: impl FnOnce() -> T) -> Option<String> {
+        let payload = catch_unwind(AssertUnwindSafe(f)).err()?;
+        let text = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()));
+        Some(text.unwrap_or_default())
+    }
+
+    fn invariant_failures(shared: &Shared) -> u64 {
+        shared.stats.snapshot("test").invariant_failures
+    }
+
+    /// A stand-alone read of `len` payload bytes of `key` into `slot` at `offset` of `file`.
+    fn pending(file: &Arc<File>, key: ChunkKey, slot: u32, len: u32, offset: u64) -> Pending {
+        Pending {
+            job: 0,
+            key,
+            slot: SlotId(slot),
+            len,
+            bytes: file_bytes(u64::from(len)),
+            offset,
+            segment: SegmentId(0),
+            location: None,
+            file: Arc::clone(file),
+            direct: true,
+            retried: false,
+            corrupt_after_read: false,
+            zero_copy: false,
+            members: Vec::new(),
+        }
+    }
+
+    /// A completion whose tag names no read in flight fails its chunk (the slot keeps its
+    /// bytes) and is counted in lenient mode; strict mode panics naming the invariant.
+    #[test]
+    fn a_completion_under_an_unknown_tag_fails_its_chunk_or_panics_when_strict() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = Arc::new(VecSlotMemory::new(4, SLOT_BYTES));
+        let shared = Arc::new(Shared::new(1 << 30, &FaultPlan::default(), 1));
+        memory.fill(SlotId(0), SLOT_BYTES, 7);
+        memory.fill(SlotId(1), SLOT_BYTES, 8);
+        let stored = worker(dir.path(), &shared, &memory).run_group(&[job(
+            1,
+            TierOp::Store,
+            vec![(key(1), SlotId(0), SLOT_BYTES as u32)],
+        )]);
+        assert!(stored.iter().all(|c| c.is_success()), "{stored:?}");
+        let load = job(
+            2,
+            TierOp::Load,
+            vec![(key(1), SlotId(1), SLOT_BYTES as u32)],
+        );
+
+        let engine = Box::new(ShiftedTags(SyncEngine::new(2).unwrap()));
+        let mut lenient = worker_with(dir.path(), &shared, &memory, engine, false);
+        let done = lenient.run_group(std::slice::from_ref(&load));
+        assert_eq!(done.len(), 1, "{done:?}");
+        assert_eq!(done[0].failed_keys().collect::<Vec<_>>(), vec![key(1)]);
+        assert_eq!(invariant_failures(&shared), 1);
+        assert_eq!(
+            memory.contents(SlotId(1)),
+            tier_testkit::pattern(8, SLOT_BYTES)
+        );
+
+        let engine = Box::new(ShiftedTags(SyncEngine::new(2).unwrap()));
+        let mut strict = worker_with(dir.path(), &shared, &memory, engine, true);
+        let message = panic_of(|| strict.run_group(std::slice::from_ref(&load)));
+        let message = message.expect("strict mode panics");
+        assert!(
+            message.contains("names no operation in flight"),
+            "{message}"
+        );
+    }
+
+    /// An O_DIRECT operation at an offset that is not a multiple of ALIGN, one longer than its
+    /// record, and a zero-copy span outside its slot are never submitted: lenient mode counts
+    /// each and fails the operation; strict mode panics naming the invariant.
+    #[test]
+    fn a_misplanned_operation_is_never_submitted() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = Arc::new(VecSlotMemory::new(2, SLOT_BYTES));
+        let shared = Arc::new(Shared::new(1 << 30, &FaultPlan::default(), 1));
+        let file = Arc::new(File::create(dir.path().join("f")).unwrap());
+        let mut lenient = worker(dir.path(), &shared, &memory);
+        lenient.settings.strict = false;
+        let misaligned = pending(&file, key(1), 0, SLOT_BYTES as u32, 100);
+        let too_long = pending(&file, key(2), 0, SLOT_BYTES as u32, 0);
+        let bytes = too_long.bytes as usize;
+        let mut outside = vec![0u8; ALIGN];
+        // SAFETY: the span is never submitted (the check refuses it) and `outside` outlives it.
+        let span =
+            unsafe { SlotSpan::new(std::ptr::NonNull::new(outside.as_mut_ptr()).unwrap(), ALIGN) };
+        let cases: Vec<(Pending, usize, Option<SlotSpan>, &str)> = vec![
+            (misaligned, bytes, None, "O_DIRECT offset"),
+            (too_long, bytes + ALIGN, None, "for a record of"),
+            (
+                pending(&file, key(3), 0, ALIGN as u32, 0),
+                HEADER_BYTES + ALIGN,
+                Some(span),
+                "outside slot",
+            ),
+        ];
+        for (n, (p, len, span, what)) in cases.into_iter().enumerate() {
+            let buf = AlignedBuf::with_capacity(bytes + ALIGN);
+            let ready = lenient.op_for(OpKind::Read, &p, len, buf, span);
+            let Ready::Injected(error, _) = ready else {
+                panic!("case {what}: submitted");
+            };
+            assert!(error.to_string().contains(what), "{error}");
+            assert_eq!(invariant_failures(&shared), n as u64 + 1);
+        }
+        let mut strict = worker(dir.path(), &shared, &memory);
+        let p = pending(&file, key(1), 0, SLOT_BYTES as u32, 100);
+        let buf = AlignedBuf::with_capacity(bytes);
+        let message = panic_of(|| strict.op_for(OpKind::Read, &p, bytes, buf, None));
+        let message = message.expect("strict mode panics");
+        assert!(
+            message.contains("invariant broken") && message.contains("O_DIRECT"),
+            "{message}"
+        );
+    }
+
+    /// A verified record whose payload would not fit its slot, or whose header names another
+    /// key than the job asked for, is never copied: lenient mode counts it and fails the key
+    /// (the slot keeps its bytes); strict mode panics naming the invariant.
+    #[test]
+    fn a_load_copy_past_its_slot_or_of_another_key_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = Arc::new(VecSlotMemory::new(2, SLOT_BYTES));
+        let shared = Arc::new(Shared::new(1 << 30, &FaultPlan::default(), 1));
+        memory.fill(SlotId(0), SLOT_BYTES, 9);
+        let file = Arc::new(File::create(dir.path().join("f")).unwrap());
+        let over = (SLOT_BYTES + ALIGN) as u32;
+        let p = pending(&file, key(1), 0, over, 0);
+        let mut image = vec![0u8; p.bytes as usize];
+        encode_into(&mut image, key(1), over as usize, |b| b.fill(3));
+
+        let mut lenient = worker(dir.path(), &shared, &memory);
+        lenient.settings.strict = false;
+        let mut failed = Failed::new(1);
+        lenient.verify_image(&p, &image, &mut failed);
+        let failed_keys: Vec<_> = failed.take(0).into_iter().map(|f| f.key).collect();
+        assert_eq!(failed_keys, vec![key(1)]);
+        assert_eq!(invariant_failures(&shared), 1);
+        assert_eq!(
+            memory.contents(SlotId(0)),
+            tier_testkit::pattern(9, SLOT_BYTES)
+        );
+        // The header of another key (verification would refuse it: the check stands behind).
+        let other = pending(&file, key(2), 0, over, 0);
+        assert!(!lenient.verified_fits(&other, &image, over as usize));
+        assert_eq!(invariant_failures(&shared), 2);
+
+        let mut strict = worker(dir.path(), &shared, &memory);
+        let message = panic_of(|| strict.verify_image(&p, &image, &mut Failed::new(1)));
+        let message = message.expect("strict mode panics");
+        assert!(message.contains("load copy"), "{message}");
+        let message = panic_of(|| strict.verified_fits(&other, &image, over as usize));
+        assert!(message
+            .expect("strict mode panics")
+            .contains("not the requested key"));
     }
 
     fn job(id: u64, op: TierOp, chunks: Vec<(ChunkKey, SlotId, u32)>) -> TierJob {

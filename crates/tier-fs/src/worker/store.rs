@@ -184,10 +184,12 @@ impl Worker {
         let mut retries = Vec::new();
         let mut failed = Failed::new(0);
         for completion in reaped {
-            if let Some(pending) = self.store_ops.remove(&completion.tag) {
-                let result = completion.result;
-                self.store_done(pending, result, completion.buf, &mut failed, &mut retries);
-            }
+            let Some(pending) = self.store_ops.remove(&completion.tag) else {
+                self.unknown_tag(completion.tag, "write");
+                continue;
+            };
+            let result = completion.result;
+            self.store_done(pending, result, completion.buf, &mut failed, &mut retries);
         }
         let gave_up = errors > REAP_ERRORS_MAX;
         if (self.engine.in_flight() == 0 || gave_up) && retries.is_empty() {
@@ -514,11 +516,13 @@ impl Worker {
         } else {
             pending.bytes as usize
         });
-        let op = self.op_for(OpKind::Write, &pending, len, buf, span);
-        (pending, Ready::Op(op))
+        let ready = self.op_for(OpKind::Write, &pending, len, buf, span);
+        (pending, ready)
     }
 
     /// The operation of `kind` on `pending`'s record: `len` bytes through `buf`, then `span`.
+    /// Checks what holds by construction (see [`Worker::edge_broken`]); an operation that breaks
+    /// it is never submitted and stands as a failed one.
     pub(super) fn op_for(
         &mut self,
         kind: OpKind,
@@ -526,8 +530,16 @@ impl Worker {
         len: usize,
         buf: AlignedBuf,
         span: Option<SlotSpan>,
-    ) -> IoOp {
-        IoOp {
+    ) -> Ready {
+        if let Some(what) = self.edge_broken(pending, len, &buf, span.as_ref()) {
+            self.broken(format_args!(
+                "{kind:?} of {:#x}/{} at offset {}: {what}",
+                pending.key.hash, pending.key.group, pending.offset
+            ));
+            let error = io::Error::other(format!("broken invariant: {what}"));
+            return Ready::Injected(error, buf);
+        }
+        Ready::Op(IoOp {
             tag: self.tag(),
             kind,
             fd: std::os::fd::AsRawFd::as_raw_fd(&*pending.file),
@@ -535,7 +547,51 @@ impl Worker {
             len,
             buf,
             span,
+        })
+    }
+
+    /// What is wrong with an operation of `len` bytes through `buf` then `span` on `pending`'s
+    /// record(s), if anything: it moves more than the record length it was planned with
+    /// (`pending.bytes`; an injected short transfer moves less), more than its buffer holds, a
+    /// zero-copy span leaves its slot, or, with O_DIRECT, its offset or its full length is not a
+    /// multiple of [`ALIGN`].
+    pub(super) fn edge_broken(
+        &self,
+        pending: &Pending,
+        len: usize,
+        buf: &AlignedBuf,
+        span: Option<&SlotSpan>,
+    ) -> Option<String> {
+        let span_len = span.map_or(0, SlotSpan::len);
+        if len as u64 > pending.bytes {
+            return Some(format!("{len} bytes for a record of {}", pending.bytes));
         }
+        if len.saturating_sub(span_len) > buf.capacity() || span_len > len {
+            return Some(format!(
+                "{len} bytes ({span_len} through the slot) over a buffer of {}",
+                buf.capacity()
+            ));
+        }
+        if pending.direct
+            && (pending.offset % ALIGN as u64 != 0
+                || (len as u64 == pending.bytes && len % ALIGN != 0))
+        {
+            return Some(format!(
+                "O_DIRECT offset or length {len} not a multiple of {ALIGN}"
+            ));
+        }
+        let span = span?;
+        let inside = self.memory.slot_ptr(pending.slot).is_some_and(|slot| {
+            let start = slot.as_ptr() as usize;
+            let at = span.as_ptr() as usize;
+            at >= start && at + span.len() <= start + self.memory.slot_bytes()
+        });
+        (!inside).then(|| {
+            format!(
+                "a zero-copy span of {span_len} bytes outside slot {}",
+                pending.slot.0
+            )
+        })
     }
 
     /// The payload of `slot` for `len` bytes, when it can move straight between the slot and an
