@@ -49,6 +49,7 @@ mod tier;
 mod worker;
 
 pub use config::{Namespace, P2pConfig};
+pub use offload_core::NamespaceId;
 pub use directory::{member_id, owners, DnsPeers, PeerDirectory, StaticPeers};
 pub use error::{P2pError, P2pErrorKind};
 #[cfg(feature = "etcd")]
