@@ -398,8 +398,14 @@ mod tests {
             b"model=\"a\\\"b\" layout=\"bfloat16 256 tokens/chunk tp2-rank1 1 bytes/block\" \
               hash_seed=0x0000000000000000"
         );
-        assert_ne!(ns, Namespace::new(&id("meta-llama/Llama-3.1-8B"), 131_072, 0x5EEE));
-        assert_ne!(ns, Namespace::new(&id("meta-llama/Llama-3.1-8B"), 65_536, 0x5EED));
+        assert_ne!(
+            ns,
+            Namespace::new(&id("meta-llama/Llama-3.1-8B"), 131_072, 0x5EEE)
+        );
+        assert_ne!(
+            ns,
+            Namespace::new(&id("meta-llama/Llama-3.1-8B"), 65_536, 0x5EED)
+        );
     }
 
     fn field_of(result: Result<(), P2pError>) -> &'static str {

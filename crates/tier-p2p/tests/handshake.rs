@@ -96,7 +96,11 @@ fn wrong_secret_is_refused_by_the_server() {
 fn wrong_namespace_is_refused_by_the_server() {
     let a = publisher(|_| {});
     let mut b = fetcher(a.local_addr(), |c| {
-        c.namespace = Namespace::new(&common::namespace_id("another-model", "bfloat16"), 4096, 0x5EED)
+        c.namespace = Namespace::new(
+            &common::namespace_id("another-model", "bfloat16"),
+            4096,
+            0x5EED,
+        )
     });
     expect_refused(&mut b, "namespace mismatch");
     common::eventually("server counts the refusal", WAIT, || {
