@@ -54,7 +54,16 @@ fn p2p_tier(memory: Arc<dyn SlotMemory>, peers: Vec<std::net::SocketAddr>) -> P2
     let config = P2pConfig {
         peers: peers.into_iter().map(Into::into).collect(),
         lookup_cache_ttl: Duration::from_millis(1),
-        ..P2pConfig::new(Namespace::new("engine-sim", "u8-16x4", 1))
+        ..P2pConfig::new(Namespace::new(
+            &tier_p2p::NamespaceId {
+                model: "engine-sim".into(),
+                dtype: "u8".into(),
+                tokens_per_chunk: 16,
+                parallel_layout: "x4".into(),
+            },
+            1,
+            1,
+        ))
     };
     P2pTier::new(config, memory).unwrap_or_else(|e| panic!("peer tier: {e}"))
 }

@@ -1075,16 +1075,16 @@ impl ResolvedConfig {
         memory: Arc<dyn SlotMemory>,
     ) -> Result<Box<dyn Tier>, ConfigError> {
         use std::time::Duration;
-        use tier_p2p::{Namespace, P2pConfig};
+        use tier_p2p::{Namespace, NamespaceId, P2pConfig};
         let e = &self.engine;
-        let layout = format!(
-            "{} {} tokens/chunk {} {} bytes/block",
-            e.dtype,
-            self.scheduler.tokens_per_block * self.scheduler.blocks_per_chunk,
-            e.parallel_layout,
-            e.block_bytes
-        );
-        let defaults = P2pConfig::new(Namespace::new(&e.model, &layout, e.hash_seed));
+        let namespace = NamespaceId {
+            model: e.model.clone(),
+            dtype: e.dtype.clone(),
+            tokens_per_chunk: self.scheduler.tokens_per_block * self.scheduler.blocks_per_chunk,
+            parallel_layout: e.parallel_layout.clone(),
+        };
+        let namespace = Namespace::new(&namespace, e.block_bytes, e.hash_seed);
+        let defaults = P2pConfig::new(namespace);
         let bad = |field: &str, reason: String| invalid(format!("{key}.{field}"), reason);
         let listen = match &spec.listen {
             Some(l) => l

@@ -311,8 +311,9 @@ impl PyTier {
 
     /// A peer tier (tier-p2p) over the buffer at `address`, which `view` exports.
     ///
-    /// `config` keys: `listen` ("host:port"), `peers` (list of "host:port"), `model`, `layout`,
-    /// `hash_seed`, and optionally `secret` (bytes), `published_bytes_max`, `lookup_deadline_s`,
+    /// `config` keys: `listen` ("host:port"), `peers` (list of "host:port"), the namespace
+    /// (`model`, `dtype`, `tokens_per_chunk`, `parallel_layout`, as for [`Tier::fs`]),
+    /// `block_bytes` (bytes of one engine block), `hash_seed`, and optionally `secret` (bytes), `published_bytes_max`, `lookup_deadline_s`,
     /// `fetch_deadline_s`, `nixl`.
     #[staticmethod]
     fn p2p(
@@ -325,10 +326,16 @@ impl PyTier {
     ) -> PyResult<Self> {
         let memory = buffer(view, address, slot_bytes, slot_count)?;
         let need = |key: &str| required(&config, "p2p", key);
-        let model: String = need("model")?.extract()?;
-        let layout: String = need("layout")?.extract()?;
+        let namespace = tier_p2p::NamespaceId {
+            model: need("model")?.extract()?,
+            dtype: need("dtype")?.extract()?,
+            tokens_per_chunk: need("tokens_per_chunk")?.extract()?,
+            parallel_layout: need("parallel_layout")?.extract()?,
+        };
+        let block_bytes: u64 = need("block_bytes")?.extract()?;
         let seed: u64 = need("hash_seed")?.extract()?;
-        let mut cfg = tier_p2p::P2pConfig::new(tier_p2p::Namespace::new(&model, &layout, seed));
+        let namespace = tier_p2p::Namespace::new(&namespace, block_bytes, seed);
+        let mut cfg = tier_p2p::P2pConfig::new(namespace);
         let resolve = |what: &str, s: &str| -> PyResult<SocketAddr> {
             s.to_socket_addrs()
                 .ok()

@@ -112,7 +112,8 @@ def test_rust_warnings_reach_python_logging_once_per_window(caplog):
     pb = PrimaryBuffer.of(memoryview(buf).cast("B", (4, 4096)))
     tier = Tier.p2p(
         pb.owner, pb.address, pb.slot_bytes, pb.slot_count,
-        {"model": "m", "layout": "l", "hash_seed": 0, "peers": [dead],
+        {"model": "m", "dtype": "u8", "tokens_per_chunk": 1, "parallel_layout": "tp1",
+         "block_bytes": 4096, "hash_seed": 0, "peers": [dead],
          "lookup_deadline_s": 0.05},
     )
     core = TierCore(tier, pb)

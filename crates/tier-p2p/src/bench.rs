@@ -471,7 +471,16 @@ impl Drop for RawStream {
 const BENCH_SECRET: &[u8] = b"kvtier p2p bench secret";
 
 fn bench_config(bytes: usize, total: usize, secret: Option<&[u8]>) -> P2pConfig {
-    let mut config = P2pConfig::new(Namespace::new("bench", "flat", 1));
+    let mut config = P2pConfig::new(Namespace::new(
+        &crate::NamespaceId {
+            model: "bench".into(),
+            dtype: "u8".into(),
+            tokens_per_chunk: 1,
+            parallel_layout: "flat".into(),
+        },
+        1,
+        1,
+    ));
     config.secret = secret.map(<[u8]>::to_vec);
     config.published_bytes_max = total + bytes;
     config.frame_body_bytes_max = config.frame_body_bytes_max.max(bytes + 64);

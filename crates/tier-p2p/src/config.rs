@@ -5,23 +5,36 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use offload_core::NamespaceId;
+
 use crate::error::P2pError;
 use crate::frame::{DATA_PREFIX_BYTES, FRAME_BODY_BYTES_MIN, KEY_BYTES, NAMESPACE_BYTES_MAX};
 use crate::peer::PeerAddr;
 
-/// What makes a key mean the same bytes on two instances: the model, the KV layout, and the seed
-/// of the prefix hash. Peers with different namespaces refuse each other, because the same key
-/// would name different bytes.
+/// What makes a key mean the same bytes on two instances: the KV layout's
+/// [`NamespaceId`] (model, dtype, tokens per chunk, parallel layout, the one namespace type every
+/// tier uses), the bytes of one engine block, and the seed of the prefix hash. Peers with
+/// different namespaces refuse each other, because the same key would name different bytes.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Namespace {
     bytes: Vec<u8>,
 }
 
 impl Namespace {
-    /// The namespace of `model` with KV `layout` (dtype, block size, heads, ...: any string that
-    /// changes when the bytes of a chunk would) and prefix-hash seed `hash_seed`.
-    pub fn new(model: &str, layout: &str, hash_seed: u64) -> Self {
-        let text = format!("model={model:?} layout={layout:?} hash_seed={hash_seed:#018x}");
+    /// The namespace of the chunks of `id`, with `block_bytes` bytes per engine block and
+    /// prefix-hash seed `hash_seed`. Its bytes (sent in HELLO, bound into the HMAC) are
+    /// `model="{model}" layout="{dtype} {tokens_per_chunk} tokens/chunk {parallel_layout}
+    /// {block_bytes} bytes/block" hash_seed={hash_seed:#018x}` (one line; both strings
+    /// quoted and escaped as Rust's `Debug` writes them).
+    pub fn new(id: &NamespaceId, block_bytes: u64, hash_seed: u64) -> Self {
+        let layout = format!(
+            "{} {} tokens/chunk {} {} bytes/block",
+            id.dtype, id.tokens_per_chunk, id.parallel_layout, block_bytes
+        );
+        let text = format!(
+            "model={:?} layout={layout:?} hash_seed={hash_seed:#018x}",
+            id.model
+        );
         Self {
             bytes: text.into_bytes(),
         }
@@ -357,7 +370,42 @@ mod tests {
     use crate::error::P2pErrorKind;
 
     fn base() -> P2pConfig {
-        P2pConfig::new(Namespace::new("m", "l", 1))
+        P2pConfig::new(Namespace::new(&id("m"), 2048, 1))
+    }
+
+    fn id(model: &str) -> NamespaceId {
+        NamespaceId {
+            model: model.into(),
+            dtype: "bfloat16".into(),
+            tokens_per_chunk: 256,
+            parallel_layout: "tp2-rank1".into(),
+        }
+    }
+
+    /// The handshake's namespace bytes for a known `NamespaceId` are pinned: a change here is
+    /// a protocol change (peers of the two builds would refuse each other).
+    #[test]
+    fn namespace_bytes_are_pinned() {
+        let ns = Namespace::new(&id("meta-llama/Llama-3.1-8B"), 131_072, 0x5EED);
+        assert_eq!(
+            std::str::from_utf8(ns.as_bytes()).expect("utf-8"),
+            "model=\"meta-llama/Llama-3.1-8B\" layout=\"bfloat16 256 tokens/chunk tp2-rank1 \
+             131072 bytes/block\" hash_seed=0x0000000000005eed"
+        );
+        let quoted = Namespace::new(&id("a\"b"), 1, 0);
+        assert_eq!(
+            quoted.as_bytes(),
+            b"model=\"a\\\"b\" layout=\"bfloat16 256 tokens/chunk tp2-rank1 1 bytes/block\" \
+              hash_seed=0x0000000000000000"
+        );
+        assert_ne!(
+            ns,
+            Namespace::new(&id("meta-llama/Llama-3.1-8B"), 131_072, 0x5EEE)
+        );
+        assert_ne!(
+            ns,
+            Namespace::new(&id("meta-llama/Llama-3.1-8B"), 65_536, 0x5EED)
+        );
     }
 
     fn field_of(result: Result<(), P2pError>) -> &'static str {

@@ -53,6 +53,7 @@ pub use directory::{member_id, owners, DnsPeers, PeerDirectory, StaticPeers};
 pub use error::{P2pError, P2pErrorKind};
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdPeers, EtcdPeersConfig};
+pub use offload_core::NamespaceId;
 pub use peer::{ParsePeerAddrError, PeerAddr};
 pub use stats::{P2pStats, PeerStatus};
 pub use store::checksum;

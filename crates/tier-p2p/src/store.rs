@@ -7,8 +7,14 @@
 //! bytes of another chunk under the old key. So a cascade `Store` job "publishes": it copies the
 //! slot into this store, which owns its memory; a chunk being sent is held by an `Arc` and stays
 //! intact even if it is evicted meanwhile.
+//!
+//! A chunk is "announced" once a local store job that published it was handed out as a success
+//! (the tiering manager then emitted a `Stored` event with this tier's medium); a chunk that a
+//! peer pushed here is not, until such a job names it. When an announced chunk leaves the store
+//! (evicted, or removed as corrupt), its key waits in a bounded list for `Tier::take_evicted`, so
+//! that every `Stored` event of this tier is followed by a `Removed` one when the chunk goes.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 
 use offload_core::ChunkKey;
@@ -58,7 +64,13 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 struct Entry {
     chunk: Arc<PublishedChunk>,
     tick: u64,
+    /// Whether a `Stored` event was emitted for it (see the module doc).
+    announced: bool,
 }
+
+/// The most removed keys kept for [`PublishedStore::take_removed`] (the oldest go first beyond
+/// it, counted).
+pub(crate) const REMOVED_KEPT_MAX: usize = 1 << 16;
 
 /// Published chunks by key, with their recency order.
 #[derive(Debug)]
@@ -69,6 +81,10 @@ pub(crate) struct PublishedStore {
     tick: u64,
     bytes: usize,
     bytes_max: usize,
+    /// Announced keys that left the store, not yet taken; at most [`REMOVED_KEPT_MAX`].
+    removed: VecDeque<ChunkKey>,
+    /// Removed keys dropped from `removed` because it was full, not yet taken.
+    removed_overflow: u64,
 }
 
 /// Why a chunk could not be published.
@@ -84,7 +100,49 @@ impl PublishedStore {
             tick: 0,
             bytes: 0,
             bytes_max,
+            removed: VecDeque::new(),
+            removed_overflow: 0,
         }
+    }
+
+    /// Marks `keys` (the successes of a store job just handed out) as announced. A key no longer
+    /// here (evicted or removed since it was published) is reported removed at once, after the
+    /// `Stored` event its job's completion produces.
+    pub(crate) fn announce(&mut self, keys: &[ChunkKey]) {
+        for &key in keys {
+            match self.entries.get_mut(&key) {
+                Some(entry) => entry.announced = true,
+                None => self.note_removed(key),
+            }
+        }
+    }
+
+    /// Moves the announced keys that left the store since the last call into `out`, oldest
+    /// first; returns how many were dropped unreported because more than [`REMOVED_KEPT_MAX`]
+    /// waited.
+    pub(crate) fn take_removed(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        out.extend(self.removed.drain(..));
+        std::mem::take(&mut self.removed_overflow)
+    }
+
+    fn note_removed(&mut self, key: ChunkKey) {
+        if self.removed.len() == REMOVED_KEPT_MAX {
+            self.removed.pop_front();
+            self.removed_overflow += 1;
+        }
+        self.removed.push_back(key);
+        debug_assert!(self.removed.len() <= REMOVED_KEPT_MAX);
+    }
+
+    /// Takes `key`'s entry out of the table (not out of `order`), noting its removal if it was
+    /// announced.
+    fn take_entry(&mut self, key: ChunkKey) -> Option<Entry> {
+        let entry = self.entries.remove(&key)?;
+        self.bytes -= entry.chunk.bytes.len();
+        if entry.announced {
+            self.note_removed(key);
+        }
+        Some(entry)
     }
 
     /// Whether `key` is published.
@@ -129,8 +187,7 @@ impl PublishedStore {
             let Some((_, oldest)) = self.order.pop_first() else {
                 break;
             };
-            if let Some(entry) = self.entries.remove(&oldest) {
-                self.bytes -= entry.chunk.bytes.len();
+            if self.take_entry(oldest).is_some() {
                 evicted += 1;
             }
         }
@@ -141,6 +198,7 @@ impl PublishedStore {
             Entry {
                 chunk: Arc::new(chunk),
                 tick: self.tick,
+                announced: false,
             },
         );
         self.bytes += len;
@@ -151,11 +209,10 @@ impl PublishedStore {
 
     /// Removes `key` (a copy that failed its checksum). Returns whether it was there.
     pub(crate) fn remove(&mut self, key: ChunkKey) -> bool {
-        let Some(entry) = self.entries.remove(&key) else {
+        let Some(entry) = self.take_entry(key) else {
             return false;
         };
         self.order.remove(&entry.tick);
-        self.bytes -= entry.chunk.bytes.len();
         true
     }
 
@@ -206,6 +263,43 @@ mod tests {
         assert_eq!(store.bytes(), 250);
         assert_eq!(store.len(), 2);
         assert_eq!(store.insert(key(9), chunk(301, 9)), Err(TooLarge));
+    }
+
+    #[test]
+    fn announced_keys_that_leave_are_reported_once_and_pushed_ones_are_not() {
+        let mut store = PublishedStore::new(300);
+        for i in 0..3 {
+            store.insert(key(i), chunk(100, i as u8)).expect("fits");
+        }
+        // 0 and 1 were stored by local jobs; 2 was pushed by a peer (never announced).
+        store.announce(&[key(0), key(1)]);
+        assert_eq!(store.insert(key(3), chunk(100, 3)), Ok(1));
+        assert_eq!(store.insert(key(4), chunk(100, 4)), Ok(1));
+        assert_eq!(store.insert(key(5), chunk(100, 5)), Ok(1));
+        assert!(store.remove(key(3)));
+        let mut out = Vec::new();
+        assert_eq!(store.take_removed(&mut out), 0);
+        assert_eq!(out, vec![key(0), key(1)]);
+        // A job whose key was evicted before its completion was handed out: removed at once.
+        store.announce(&[key(2), key(4)]);
+        out.clear();
+        assert_eq!(store.take_removed(&mut out), 0);
+        assert_eq!(out, vec![key(2)]);
+        out.clear();
+        assert_eq!(store.take_removed(&mut out), 0);
+        assert!(out.is_empty(), "each removal is reported once: {out:?}");
+    }
+
+    #[test]
+    fn removed_list_is_bounded_and_counts_what_it_drops() {
+        let mut store = PublishedStore::new(1);
+        let keys: Vec<ChunkKey> = (0..REMOVED_KEPT_MAX as u64 + 3).map(key).collect();
+        store.announce(&keys);
+        let mut out = Vec::new();
+        assert_eq!(store.take_removed(&mut out), 3);
+        assert_eq!(out.len(), REMOVED_KEPT_MAX);
+        assert_eq!(out[0], key(3), "the oldest go first");
+        assert_eq!(store.take_removed(&mut out), 0);
     }
 
     #[test]

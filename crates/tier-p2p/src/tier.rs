@@ -351,7 +351,12 @@ impl P2pTier {
         self.control.forget(completion.id);
         if held.value.op == TierOp::Store {
             let failed: Vec<ChunkKey> = completion.failed_keys().collect();
-            self.push(held.keys, &failed);
+            let mut published = held.keys;
+            published.retain(|k| !failed.contains(k));
+            // The manager emits `Stored` for these once this completion is handed out; from
+            // then on their eviction is reported (`take_evicted`).
+            lock(&self.shared.store).announce(&published);
+            self.push(published, &[]);
         }
         if held.value.op == TierOp::Load {
             add(
@@ -596,6 +601,14 @@ impl Tier for P2pTier {
                 }
             }
         }
+    }
+
+    /// The announced chunks (each a `Stored` event of this tier) that left the published store
+    /// since the last call: evicted to stay under `published_bytes_max` (by a publish or a
+    /// peer's push), or removed as corrupt. At most 65,536 wait; the oldest beyond are dropped
+    /// and counted in the return value.
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        lock(&self.shared.store).take_removed(out)
     }
 
     fn on_request_finished(&mut self, _request: RequestId) {

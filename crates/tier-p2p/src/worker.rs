@@ -191,9 +191,12 @@ fn publish(
             failed.push(FailedKey::new(key, TierFailure::Cancelled));
             continue;
         }
-        if lock(&shared.store).contains(key) {
-            lock(&shared.store).touch(&[key]);
-            continue;
+        {
+            let mut store = lock(&shared.store);
+            if store.contains(key) {
+                store.touch(&[key]);
+                continue;
+            }
         }
         let mut bytes = vec![0u8; len as usize].into_boxed_slice();
         memory.read_slot(slot, 0, &mut bytes);

@@ -96,7 +96,11 @@ fn wrong_secret_is_refused_by_the_server() {
 fn wrong_namespace_is_refused_by_the_server() {
     let a = publisher(|_| {});
     let mut b = fetcher(a.local_addr(), |c| {
-        c.namespace = Namespace::new("another-model", "bf16/64 tokens/8 heads", 0x5EED)
+        c.namespace = Namespace::new(
+            &common::namespace_id("another-model", "bfloat16"),
+            4096,
+            0x5EED,
+        )
     });
     expect_refused(&mut b, "namespace mismatch");
     common::eventually("server counts the refusal", WAIT, || {
@@ -169,7 +173,7 @@ fn client_refuses_a_server_with_a_wrong_proof() {
 
 #[test]
 fn client_refuses_a_server_of_another_namespace() {
-    let other = Namespace::new("test-model", "fp8/64 tokens/8 heads", 0x5EED);
+    let other = Namespace::new(&common::namespace_id("test-model", "fp8"), 4096, 0x5EED);
     let (addr, server) = fake_server(other.as_bytes().to_vec(), false);
     let mut b = fetcher(addr, |c| {
         c.backoff_initial = Duration::from_secs(5);

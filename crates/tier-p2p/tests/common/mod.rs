@@ -11,11 +11,21 @@ use offload_core::tier::{
     SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierLookup, TierOp,
 };
 use offload_core::{ChunkKey, JobId, SlotId};
-use tier_p2p::{Namespace, P2pConfig, P2pTier};
+use tier_p2p::{Namespace, NamespaceId, P2pConfig, P2pTier};
 
 /// The namespace every test instance shares unless it tests a mismatch.
 pub fn namespace() -> Namespace {
-    Namespace::new("test-model", "bf16/64 tokens/8 heads", 0x5EED)
+    Namespace::new(&namespace_id("test-model", "bfloat16"), 4096, 0x5EED)
+}
+
+/// The KV layout of the test instances, for `model` with `dtype`.
+pub fn namespace_id(model: &str, dtype: &str) -> NamespaceId {
+    NamespaceId {
+        model: model.into(),
+        dtype: dtype.into(),
+        tokens_per_chunk: 64,
+        parallel_layout: "tp1".into(),
+    }
 }
 
 /// A loopback configuration on a free port with short deadlines, talking to `peers`.

@@ -67,6 +67,12 @@ _COUNTERS = {
 }
 
 
+def _blocks_per_chunk(spec: Any) -> int:
+    """Engine blocks per chunk (1 where the spec does not say)."""
+    cache = getattr(getattr(spec, "config", None), "cache", None)
+    return max(1, int(getattr(cache, "blocks_per_chunk", 1) or 1))
+
+
 def _namespace(spec: Any, slot_bytes: int) -> dict[str, Any]:
     """What must match for two instances' chunks to be interchangeable."""
     cfg = getattr(spec, "config", None)
@@ -262,8 +268,8 @@ class KvtierP2pTier(_KvtierTier):
     def _start(self, config: dict[str, Any], spec: Any, buffer: PrimaryBuffer) -> Tier:
         settings, _ = kvconfig.p2p_settings(config)
         ns = _namespace(spec, buffer.slot_bytes)
-        settings["model"] = ns["model"]
-        settings["layout"] = f"{ns['dtype']}-{ns['tokens_per_chunk']}-{ns['parallel_layout']}"
+        settings.update(ns)
+        settings["block_bytes"] = buffer.slot_bytes // _blocks_per_chunk(spec)
         settings["hash_seed"] = 0
         tier = Tier.p2p(buffer.owner, buffer.address, buffer.slot_bytes, buffer.slot_count, settings)
         logger.info("kvtier p2p tier listening on %s, peers %s", tier.address, settings["peers"])
