@@ -648,6 +648,23 @@ impl Worker {
         );
     }
 
+    /// Fails `pending`'s chunk whose record did not verify: a length mismatch as such, anything
+    /// else as corrupt, after quarantining the record.
+    fn verify_failed(
+        &mut self,
+        pending: &Pending,
+        error: &offload_core::record::FormatError,
+        failed: &mut Failed,
+    ) {
+        let key = pending.key;
+        if error.is_corruption() {
+            self.quarantine(key, pending.location.as_ref());
+            failed.add(self.stats(), pending.job, key, FailureKind::Corrupt);
+        } else {
+            failed.add(self.stats(), pending.job, key, FailureKind::LengthMismatch);
+        }
+    }
+
     /// Verifies the record image `read` (header, payload, padding) for `pending` and copies its
     /// payload into the slot; a corrupt record is quarantined.
     pub(super) fn verify_image(&mut self, pending: &Pending, read: &[u8], failed: &mut Failed) {
@@ -671,13 +688,7 @@ impl Worker {
                 add(&self.stats().chunks_loaded, 1);
                 add(&self.stats().bytes_loaded, u64::from(pending.len));
             }
-            Err(e) if !e.is_corruption() => {
-                failed.add(self.stats(), pending.job, key, FailureKind::LengthMismatch)
-            }
-            Err(_) => {
-                self.quarantine(key, pending.location.as_ref());
-                failed.add(self.stats(), pending.job, key, FailureKind::Corrupt);
-            }
+            Err(e) => self.verify_failed(pending, &e, failed),
         }
     }
 
@@ -741,13 +752,7 @@ impl Worker {
                 add(&self.stats().chunks_loaded, 1);
                 add(&self.stats().bytes_loaded, u64::from(pending.len));
             }
-            Err(e) if !e.is_corruption() => {
-                failed.add(self.stats(), pending.job, key, FailureKind::LengthMismatch)
-            }
-            Err(_) => {
-                self.quarantine(key, pending.location.as_ref());
-                failed.add(self.stats(), pending.job, key, FailureKind::Corrupt);
-            }
+            Err(e) => self.verify_failed(pending, &e, failed),
         }
     }
 
