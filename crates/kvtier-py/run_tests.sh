@@ -33,12 +33,28 @@ else
 fi
 "$py" -m pip --version >/dev/null || { echo "ERROR: $py has no pip" >&2; exit 1; }
 
+# pip install with retries: a download of several GB from the package index can be cut by the
+# network (CI once lost a vLLM install to a read error mid-wheel); each try resumes from pip's
+# cache, and the last failure names what could not be installed.
+pip_install() {
+    local try
+    for try in 1 2 3; do
+        if "$py" -m pip install -q --retries 10 --timeout 120 "$@"; then
+            return 0
+        fi
+        echo "==> pip install $* failed (try $try of 3)" >&2
+        sleep $((try * 10))
+    done
+    echo "ERROR: pip could not install $* after 3 tries (network or package index)" >&2
+    return 1
+}
+
 if [[ "${KVTIER_SKIP_VLLM:-0}" != 1 ]] && ! "$py" -c "import vllm" 2>/dev/null; then
     echo "==> installing vllm==$VLLM_VERSION into $py (first run only: several GB)"
-    "$py" -m pip install -q "vllm==$VLLM_VERSION"
+    pip_install "vllm==$VLLM_VERSION"
 fi
 echo "==> building and installing kvtier (pip install ./crates/kvtier-py)"
-"$py" -m pip install -q "$here[test]"
+pip_install "$here[test]"
 
 if [[ "${CI:-}" == true ]]; then
     export KVTIER_REQUIRE_VLLM=1
