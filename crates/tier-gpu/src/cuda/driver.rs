@@ -66,6 +66,23 @@ pub(crate) fn check(code: CUresult, op: impl FnOnce() -> String) -> Result<(), D
     }
 }
 
+/// Creates an event without timing in the current context; `what` names it in the error.
+/// The caller must have made a context current (see [`Context::enter`]).
+pub(crate) fn create_event(what: impl FnOnce() -> String) -> Result<sys::CUevent, DriverFailure> {
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: the caller made a context current; the call writes the new handle into `event`.
+    unsafe {
+        check(
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            ),
+            || format!("cuEventCreate({}, disable timing)", what()),
+        )?;
+    }
+    Ok(event)
+}
+
 /// A device's primary context (the one PyTorch and most engines use), retained while the value
 /// lives. Every call that needs a context pushes it with [`Context::enter`] and pops it after, so
 /// whatever the calling thread had current is left as it was.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUevent};
 use offload_core::{Job, JobId, JobKind};
 
-use super::driver::{check, Context, DriverFailure};
+use super::driver::{check, create_event, Context, DriverFailure};
 use super::pinned::{split_at_pieces, PinnedHostPool};
 use super::queue::{lane, EventState, Look, Queues};
 use crate::plan::{CopyRun, KvLayout};
@@ -145,17 +145,7 @@ impl CudaTransferEngine {
             }
         }
         for i in 0..events {
-            let mut event: CUevent = std::ptr::null_mut();
-            // SAFETY: the context is current; the call writes the new handle into `event`.
-            unsafe {
-                check(
-                    sys::cuEventCreate(
-                        &mut event,
-                        sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                    ),
-                    || format!("cuEventCreate(event {i} of {events}, disable timing)"),
-                )?;
-            }
+            let event = create_event(|| format!("event {i} of {events}"))?;
             self.queues.add_event(event);
         }
         Ok(())

@@ -5,7 +5,7 @@
 
 use cudarc::driver::sys::{self, CUevent};
 
-use super::driver::{check, Context};
+use super::driver::{check, create_event, Context};
 use super::engine::ComputeEvent;
 use crate::TransferError;
 
@@ -34,17 +34,7 @@ impl StreamEvent {
     pub fn new(device_ordinal: u32) -> Result<Self, TransferError> {
         let ctx = Context::retain(device_ordinal)?;
         let entered = ctx.enter()?;
-        let mut event: CUevent = std::ptr::null_mut();
-        // SAFETY: the context is current; the call writes the new handle into `event`.
-        unsafe {
-            check(
-                sys::cuEventCreate(
-                    &mut event,
-                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                ),
-                || format!("cuEventCreate(compute event on device {device_ordinal})"),
-            )?;
-        }
+        let event = create_event(|| format!("compute event on device {device_ordinal}"))?;
         drop(entered);
         Ok(Self {
             event,
