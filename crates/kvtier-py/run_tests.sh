@@ -18,6 +18,17 @@ cargo clippy --manifest-path "$here/Cargo.toml" --workspace --all-targets --lock
 echo "==> kvtier-worker: its tests (the CUDA one says \"CUDA worker tests NOT RUN\" without a GPU)"
 cargo test --manifest-path "$here/worker/Cargo.toml" --locked
 
+# CI (.ci/run sets KVTIER_FREE_RUST_BUILD=1): every Rust step of `cargo xtask ci` has run, and
+# this step builds the extension in its own target directory, so the workspace's debug build
+# (GBs) goes before vLLM's venv (about 10 GB) is installed on a disk that may be short.
+if [[ "${KVTIER_FREE_RUST_BUILD:-0}" == 1 && -d "$root/target/debug" ]]; then
+    echo "==> removing $root/target/debug ($(du -sh "$root/target/debug" 2>/dev/null | cut -f1)) to make room for vLLM (KVTIER_FREE_RUST_BUILD=1)"
+    rm -rf "$root/target/debug"
+fi
+
+# Free space in KiB on the filesystem holding $1.
+free_kib() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { print $4 }'; }
+
 if [[ -n "${KVTIER_PYTHON:-}" ]]; then
     py=$KVTIER_PYTHON
 else
@@ -45,12 +56,19 @@ pip_install() {
         echo "==> pip install $* failed (try $try of 3)" >&2
         sleep $((try * 10))
     done
-    echo "ERROR: pip could not install $* after 3 tries (network or package index)" >&2
+    echo "ERROR: pip could not install $* after 3 tries (network, package index or disk; free space follows)" >&2
+    df -h "$root" "${TMPDIR:-/tmp}" >&2 || true
     return 1
 }
 
 if [[ "${KVTIER_SKIP_VLLM:-0}" != 1 ]] && ! "$py" -c "import vllm" 2>/dev/null; then
-    echo "==> installing vllm==$VLLM_VERSION into $py (first run only: several GB)"
+    echo "==> installing vllm==$VLLM_VERSION into $py (first run only: about 10 GB)"
+    for dir in "$(dirname "$py")" "${TMPDIR:-/tmp}"; do
+        have=$(free_kib "$dir")
+        if [[ -n "$have" ]] && ((have < 12 * 1024 * 1024)); then
+            echo "WARNING: only $((have / 1024)) MiB free under $dir; vLLM's install needs about 10 GB there (and pip unpacks wheels under TMPDIR)" >&2
+        fi
+    done
     pip_install "vllm==$VLLM_VERSION"
 fi
 echo "==> building and installing kvtier (pip install ./crates/kvtier-py)"
