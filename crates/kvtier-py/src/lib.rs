@@ -601,6 +601,7 @@ impl PyTier {
                 d.set_item("drain_timeouts", s.drain_timeouts)?;
                 d.set_item("shutdown_timeouts", s.shutdown_timeouts)?;
                 d.set_item("threads_detached", s.threads_detached)?;
+                d.set_item("invariant_failures", s.invariant_failures)?;
                 d.set_item("chunk_count", t.chunk_count())?;
                 d.set_item("used_bytes", t.used_bytes())?;
             }
@@ -617,6 +618,9 @@ impl PyTier {
                 d.set_item("checksum_mismatches", s.checksum_mismatches)?;
                 d.set_item("load_keys_failed", s.load_keys_failed)?;
                 d.set_item("peer_failures", s.peer_failures)?;
+                d.set_item("mac_failures", s.mac_failures)?;
+                d.set_item("frames_rejected", s.frames_rejected)?;
+                d.set_item("invariant_failures", s.invariant_failures)?;
             }
         }
         Ok(d)

@@ -292,6 +292,67 @@ def test_metrics_reach_prometheus_under_vllms_names(engines):
     assert value("kvtier:pool_slots_total") == m["pool"]["slots_total"]
 
 
+def test_a_corrupt_disk_chunk_is_recomputed_and_counted_by_kind_on_prometheus(engines, tmp_path):
+    """Chunks stored to disk, the host pool reset, every record on disk damaged: the promotion
+    from disk fails as `corrupt` before vLLM is promised any token, so the request computes its
+    whole prompt (bytes compared in Engine._forward), and the failure reaches vLLM's registry as
+    kvtier:chunk_failures{tier="fs",kind="corrupt"}."""
+    from connector_driver import prompt
+    from kvtier.vllm.connector import KvtierConnector
+
+    e = engines(config(tmp_path))
+    e.add("a", prompt("damaged", 64), max_tokens=1)
+    e.settle()
+    assert dict(e.metrics()["tiers"])["fs"]["chunks_stored"] == 4
+    assert e.sched.reset_cache() is True
+    e.step()
+    damaged = 0
+    for path in tmp_path.rglob("*"):
+        if path.is_file() and path.stat().st_size > 4096:
+            data = bytearray(path.read_bytes())
+            # One byte in every 4 KiB: each 4 KiB payload and each header is hit.
+            for at in range(2048, len(data), 4096):
+                data[at] ^= 0x5A
+            path.write_bytes(bytes(data))
+            damaged += 1
+    assert damaged > 0, sorted(tmp_path.rglob("*"))
+
+    b = e.add("b", prompt("damaged", 64) + prompt("b", 8), max_tokens=1)
+    e.run()
+    assert b.state == "released"
+    assert b.loaded_tokens == 0 and not b.load_failed, b
+    fs = dict(e.metrics()["tiers"])["fs"]
+    assert fs["failures"]["corrupt"] > 0, fs
+    assert fs["chunks_loaded"] == 0, fs
+
+    total = KvtierConnector.build_kv_connector_stats()
+    for s in e.worker_stats + e.sched_stats:
+        total = total.aggregate(KvtierConnector.build_kv_connector_stats(data=s.to_dict()))
+    reg, types = registry_metric_types()
+    prom = KvtierConnector.build_prom_metrics(e.cfg, types, ["model_name", "engine"],
+                                              {0: ["tiny", "0"]})
+    prom.observe(total.to_dict(), engine_idx=0)
+    labels = {"model_name": "tiny", "engine": "0", "tier": "fs"}
+    # A counter that never moved has no sample yet.
+    for kind, count in fs["failures"].items():
+        got = reg.get_sample_value("kvtier:chunk_failures_total", {**labels, "kind": kind})
+        assert (got or 0) == count, (kind, got, count)
+    assert reg.get_sample_value("kvtier:chunk_failures_total", {**labels, "kind": "corrupt"}) > 0
+
+    # Invariant failures sum the scheduler's, the host pool's and the tiering manager's, as
+    # kvtier_invariant_failures_total does (none broke here, so distinct stand-in counts).
+    from kvtier.vllm.connector import _kvtier_counters
+
+    m = e.metrics()
+    assert m["host"]["invariant_failures"] == m["tiering"]["invariant_failures"] == 0
+    m["scheduler"]["invariant_failures"] = 1
+    m["host"]["invariant_failures"] = 10
+    m["tiering"]["invariant_failures"] = 100
+    counters = _kvtier_counters(m)
+    assert counters[("kvtier:invariant_failures", ())] == 111
+    assert counters[("kvtier:chunk_failures", ("fs", "corrupt"))] == fs["failures"]["corrupt"]
+
+
 def test_events_are_vllm_block_events(engines):
     from vllm.distributed.kv_events import BlockStored
 

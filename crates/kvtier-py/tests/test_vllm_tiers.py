@@ -66,7 +66,10 @@ def test_store_restart_load_gives_the_same_bytes(engines, tmp_path):
     c2 = b.ctx("r2")
     assert b.load_prefix(c2, keys + prefix_keys("other", 2)) == 8
     b.finish(c2)
-    assert b.tiers[0].native_stats()["chunks_loaded"] == 8
+    stats = b.tiers[0].native_stats()
+    assert stats["chunks_loaded"] == 8
+    # The I/O edge's checks (record, buffer and slot bounds) held for every operation.
+    assert stats["invariant_failures"] == 0, stats
 
 
 def test_seed_scenario_final_store_prepared_before_request_finished(engines, tmp_path):
@@ -152,7 +155,9 @@ def test_peer_pair_serves_each_other(engines):
     c2 = b.ctx("fetcher")
     assert b.load_prefix(c2, keys) == 6
     b.finish(c2)
-    assert b.tiers[0].native_stats()["chunks_fetched"] == 6
+    stats = b.tiers[0].native_stats()
+    assert stats["chunks_fetched"] == 6
+    assert stats["invariant_failures"] == stats["mac_failures"] == stats["frames_rejected"] == 0
 
 
 def test_stats_reach_vllms_stats_payload(engines, tmp_path):

@@ -169,9 +169,15 @@ METRIC_DEFINITIONS: dict[str, MetricDef] = {
     "kvtier:chunks_failed": MetricDef(
         "counter", "Chunks a store or load failed, per tier (loads are recomputed).",
         ("tier", "direction")),
+    "kvtier:chunk_failures": MetricDef(
+        "counter", "Chunks a secondary tier failed (stores and promotions), per tier and kind "
+        "(missing, corrupt, cancelled, tier_down, timeout, io, other); loads are recomputed.",
+        ("tier", "kind")),
     "kvtier:requests_disabled": MetricDef(
         "counter", "Requests whose offload was dropped after a broken bookkeeping invariant."),
-    "kvtier:invariant_failures": MetricDef("counter", "Broken bookkeeping invariants counted."),
+    "kvtier:invariant_failures": MetricDef(
+        "counter", "Broken bookkeeping invariants counted (scheduler, host pool and tiering "
+        "manager together, as kvtier_invariant_failures_total)."),
     "kvtier:pool_slots_used": MetricDef("gauge", "Host-pool slots holding a chunk."),
     "kvtier:pool_slots_total": MetricDef("gauge", "Host-pool slots."),
 }
@@ -198,8 +204,11 @@ def _kvtier_counters(metrics: dict[str, Any]) -> dict[tuple[str, tuple[str, ...]
         out[("kvtier:transfer_seconds", (name, "load"))] = c["load_ns"] / 1e9
         out[("kvtier:chunks_failed", (name, "store"))] = c["store_chunks_failed"]
         out[("kvtier:chunks_failed", (name, "load"))] = c["load_chunks_failed"]
+        for kind, count in c["failures"].items():
+            out[("kvtier:chunk_failures", (name, kind))] = count
     out[("kvtier:requests_disabled", ())] = sched["requests_disabled"]
-    out[("kvtier:invariant_failures", ())] = sched["invariant_failures"]
+    out[("kvtier:invariant_failures", ())] = (
+        sched["invariant_failures"] + host["invariant_failures"] + tiering["invariant_failures"])
     return out
 
 
