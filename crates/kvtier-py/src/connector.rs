@@ -189,13 +189,11 @@ impl PyConnectorScheduler {
         pool: &PyHostPool,
         strict: bool,
     ) -> PyResult<Self> {
-        let mut resolved = resolve(config_json, &geometry)?;
-        resolved.scheduler.strict = strict;
+        let resolved = resolve(config_json, &geometry)?;
         let memory: Arc<dyn SlotMemory> = pool.memory.clone();
-        let manager = py
-            .detach(|| resolved.build_manager(memory, strict))
-            .map_err(|e| PyValueError::new_err(format!("kvtier connector: {e}")))?;
-        let handle = SchedulerHandle::new(resolved.scheduler, manager)
+        // One call, one strictness for the scheduler, the host pool and the tiering manager.
+        let handle = py
+            .detach(|| resolved.build_scheduler(memory, strict))
             .map_err(|e| PyValueError::new_err(format!("kvtier connector: {e}")))?;
         Ok(Self {
             handle: Mutex::new(handle),

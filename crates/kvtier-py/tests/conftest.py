@@ -249,3 +249,27 @@ def registry_metric_types():
 @pytest.fixture
 def engines():
     yield from closing_factory(Engine)
+
+
+# vLLM's Multi-Tier Setup example (docs: features/kv_offloading_usage), verbatim. The tier tests
+# point its fs entry at kvtier's tier (only "type", "module_path" and "root_dir" change); the
+# connector test names kvtier's connector (only "kv_connector", "kv_connector_module_path" and
+# "root_dir" change).
+DOCUMENTED = """{
+  "kv_connector": "OffloadingConnector",
+  "kv_role": "kv_both",
+  "kv_connector_extra_config": {
+    "spec_name": "TieringOffloadingSpec",
+    "cpu_bytes_to_use": 10737418240,
+    "block_size": 16,
+    "eviction_policy": "lru",
+    "secondary_tiers": [
+      {
+        "type": "fs",
+        "root_dir": "/mnt/kv_cache",
+        "n_read_threads": 32,
+        "n_write_threads": 32
+      }
+    ]
+  }
+}"""

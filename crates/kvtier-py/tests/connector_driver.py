@@ -434,14 +434,25 @@ class Engine:
             self.sched_stats.append(sstats)
         self.events.extend(self.sched.take_events())
 
-    def run(self, steps: int = 500) -> None:
-        """Steps until every request was released."""
-        for _ in range(steps):
-            if all(rec.state == "released" for rec in self.reqs.values()):
-                return
+    def run(self, steps: int = 500, deadline_s: float = 120.0) -> None:
+        """Steps until every request was released; fails once both `steps` steps and
+        `deadline_s` seconds have passed. The workers' copies run on their own threads (in other
+        processes with `processes`), which a busy machine may hold back for longer than `steps`
+        quick steps take: past `steps`, each step first yields the CPU for a millisecond."""
+        import time
+
+        deadline = time.monotonic() + deadline_s
+        done = 0
+        while not all(rec.state == "released" for rec in self.reqs.values()):
+            if done >= steps:
+                if time.monotonic() > deadline:
+                    states = {rid: rec.state for rid, rec in self.reqs.items()
+                              if rec.state != "released"}
+                    raise AssertionError(
+                        f"requests not released after {done} steps and {deadline_s} s: {states}")
+                time.sleep(0.001)
             self.step()
-        states = {rid: rec.state for rid, rec in self.reqs.items() if rec.state != "released"}
-        raise AssertionError(f"requests not released after {steps} steps: {states}")
+            done += 1
 
     def settle(self) -> None:
         """Every request released, every tier job reported, and one more step for what that

@@ -132,3 +132,91 @@ def test_offload_keys_are_128_bit_and_collision_free_on_a_sample():
     assert abs(high - len(keys) / 2) < 0.02 * len(keys), high
     # The connector's scheduler side maps block hashes the same way.
     assert block_hashes_to_u128(hashes[:1000]) == keys[:1000]
+
+
+# -- the connector's kv_connector_extra_config ------------------------------------------------------
+
+
+def test_connector_settings_understand_vllms_offloading_keys(tmp_path):
+    from kvtier.config import connector_settings
+
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "spec_module_path": "vllm.v1.kv_offload.tiering.spec",
+        "cpu_bytes_to_use": "10GiB",
+        "block_size": 16,
+        "eviction_policy": "lru",
+        "store_threshold": 2,
+        "enable_kv_events": True,
+        "tier_poll_interval_s": 0.01,
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": str(tmp_path), "n_read_threads": 32, "n_write_threads": 32},
+            {"type": "KvtierP2pTier", "module_path": "kvtier.vllm.tiers",
+             "listen": "127.0.0.1:7070", "peers": ["127.0.0.1:7071"],
+             "published_bytes_max": "64MiB", "enable_kv_events": True},
+        ],
+    }
+    out, warnings = connector_settings(extra, environ={})
+    assert out["cpu_bytes_to_use"] == 10 << 30
+    assert out["block_size"] == 16 and out["eviction_policy"] == "lru"
+    assert out["reuse_threshold"] == 2 and "store_threshold" not in out
+    assert not {"spec_name", "spec_module_path", "enable_kv_events", "tier_poll_interval_s"} & set(out)
+    fs, p2p = out["secondary_tiers"]
+    assert fs["type"] == "fs" and fs["root_dir"] == str(tmp_path)
+    assert fs["workers"] == 16 and "n_read_threads" not in fs and "n_write_threads" not in fs
+    assert fs["capacity_bytes"] > 0  # half the free space, with a warning
+    assert p2p == {"type": "p2p", "listen": "127.0.0.1:7070", "peers": ["127.0.0.1:7071"],
+                   "published_bytes_max": 64 << 20}
+    assert any("capacity_bytes not set" in w for w in warnings), warnings
+    assert any("tier_poll_interval_s" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"cpu_bytes_to_use": 1 << 20, "cpu_bytes": 5}, "unknown setting 'cpu_bytes'"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 1 << 20, "store_threshold": 2, "reuse_threshold": 2}, "not both"),
+        ({"cpu_bytes_to_use": 1 << 20, "cache_policy_module_path": "my.policy"},
+         "cache_policy_module_path"),
+        ({"cpu_bytes_to_use": 1 << 20, "canonical_layout": True}, "canonical_layout"),
+        ({"cpu_bytes_to_use": 1 << 20, "offload_prompt_only": "maybe"}, "offload_prompt_only"),
+        ({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": {"type": "fs"}}, "not a list"),
+        ({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"root_dir": "/x"}]},
+         r"secondary_tiers\[0\]: 'type' is required"),
+        ({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "fs", "root": "/x"}]},
+         r"secondary_tiers\[0\]: fs tier: unknown setting"),
+        ({"cpu_bytes_to_use": 1 << 20,
+          "secondary_tiers": [{"type": "fs", "root_dir": "/x", "capacity_bytes": 1 << 30,
+                               "jobs_in_flight_max": 8}]},
+         "jobs_in_flight_max"),
+        ({"cpu_bytes_to_use": 1 << 20,
+          "secondary_tiers": [{"type": "p2p", "published_bytes_max": "much"}]},
+         r"secondary_tiers\[0\].published_bytes_max"),
+    ],
+)
+def test_connector_settings_refuse_what_they_cannot_honour_by_name(extra, match):
+    from kvtier.config import connector_settings
+
+    with pytest.raises(ConfigError, match=match):
+        connector_settings(extra, environ={})
+
+
+def test_connector_settings_take_environment_overrides(tmp_path):
+    from kvtier.config import connector_settings
+
+    extra = {"cpu_bytes_to_use": 1 << 30, "offload_prompt_only": True,
+             "secondary_tiers": [{"type": "fs", "root_dir": "/nowhere", "capacity_bytes": "1GiB"},
+                                 {"type": "p2p", "peers": ["127.0.0.1:1"]}]}
+    env = {"KVTIER_CPU_BYTES_TO_USE": "16MiB", "KVTIER_OFFLOAD_PROMPT_ONLY": "false",
+           "KVTIER_ROOT_DIR": str(tmp_path), "KVTIER_PEERS": "127.0.0.1:2, 127.0.0.1:3",
+           "KVTIER_STORE_THRESHOLD": "3"}
+    out, _ = connector_settings(extra, environ=env)
+    assert out["cpu_bytes_to_use"] == 16 << 20
+    assert out["offload_prompt_only"] is False
+    assert out["reuse_threshold"] == 3
+    assert out["secondary_tiers"][0]["root_dir"] == str(tmp_path)
+    assert out["secondary_tiers"][0]["capacity_bytes"] == 1 << 30
+    assert out["secondary_tiers"][1]["peers"] == ["127.0.0.1:2", "127.0.0.1:3"]
+    # The caller's dict is left as it was.
+    assert extra["cpu_bytes_to_use"] == 1 << 30 and "reuse_threshold" not in extra

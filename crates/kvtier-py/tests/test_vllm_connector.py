@@ -215,7 +215,7 @@ def test_two_worker_processes_share_the_host_pool_file(engines):
     """vLLM's multi-process executor with two tensor-parallel ranks, each worker in its own
     process writing its own shard of every block: both map the host pool file the scheduler
     side maps, each fills its share of every slot, and each checks its loaded shard against
-    recompute. Reset is refused (the workers' copies cannot be waited for)."""
+    recompute."""
     import os
 
     from connector_driver import prompt
@@ -230,9 +230,115 @@ def test_two_worker_processes_share_the_host_pool_file(engines):
     rec = e.add("b", prompt("tp", 64) + prompt("b", 8), max_tokens=1)
     e.run()
     assert rec.loaded_tokens == 64 and not rec.load_failed, rec
-    assert e.sched.reset_cache() is False
     e.close()
     assert not os.path.exists(path), "the scheduler side removes the pool file at shutdown"
+
+
+def test_reset_with_worker_processes(engines):
+    """reset_cache with two tensor-parallel worker processes (the host pool a shared file): the
+    scheduler side cannot wait for their copies, and need not, since the core holds the slot of
+    every job in flight until both ranks acknowledged it. A reset between building a load and the
+    workers running it: the workers (other processes) learn of the reset only from the next
+    step's metadata, so the load either completes first (it read slots the reset held, intact)
+    or is failed at the reset (vLLM recomputes), depending on how fast the copy runs; either
+    way every block a worker loads is compared with recompute, shard by shard, and the holds end
+    once both ranks acknowledged it."""
+    from connector_driver import prompt
+
+    e = engines(config(), processes=2)
+    e.add("a", prompt("tp-reset", 64), max_tokens=1)
+    e.run()
+    assert e.metrics()["pool"]["slots_used"] >= 4
+    assert e.sched.reset_cache() is True
+    e.step()
+    assert e.metrics()["pool"]["slots_used"] == 0
+    # Nothing left in the host pool: b computes its prompt, and stores it again.
+    b = e.add("b", prompt("tp-reset", 64) + prompt("b", 8), max_tokens=1)
+    e.run()
+    assert b.loaded_tokens == 0 and not b.load_failed, b
+
+    c = e.add("c", prompt("tp-reset", 64) + prompt("c", 8), max_tokens=1)
+    real_build = e.sched.build_connector_meta
+    reset_at = []
+
+    def build_then_reset(so):
+        meta = real_build(so)
+        if c.state == "loading" and not reset_at:
+            reset_at.append(e.sched.reset_cache())
+            e.sched.build_connector_meta = real_build
+        return meta
+
+    e.sched.build_connector_meta = build_then_reset
+    e.run()
+    assert reset_at == [True], "the load was never built"
+    assert c.state == "released" and c.loaded_tokens == 64, c
+    # Stored again by c's recompute: d loads it, both shards checked against recompute.
+    d = e.add("d", prompt("tp-reset", 64) + prompt("d", 8), max_tokens=1)
+    e.run()
+    assert d.loaded_tokens == 64 and not d.load_failed, d
+    m = e.metrics()
+    assert m["scheduler"]["invariant_failures"] == 0, m["scheduler"]
+    assert m["pool"]["slots_held"] == 0, m["pool"]
+
+
+def test_documented_vllm_config_works_with_the_connector(engines, tmp_path, monkeypatch, caplog):
+    """vLLM's documented multi-tier extra config, verbatim but for the connector's name and the
+    disk directory: vLLM's spec keys are ignored, its fs keys understood, `capacity_bytes` left out
+    (half the free space, with a warning). Its 10 GiB host pool is cut by the documented
+    environment override so the test fits in memory. Stored chunks go to disk; after a reset a
+    request loads its prefix back from there, bytes compared."""
+    import json
+    import logging
+
+    from vllm.config import KVTransferConfig
+
+    from conftest import DOCUMENTED
+    from connector_driver import prompt
+
+    text = json.loads(DOCUMENTED)
+    text.update(kv_connector="KvtierConnector", kv_connector_module_path="kvtier.vllm.connector")
+    text["kv_connector_extra_config"]["secondary_tiers"][0]["root_dir"] = str(tmp_path)
+    ktc = KVTransferConfig(**text)
+    monkeypatch.setenv("KVTIER_CPU_BYTES_TO_USE", "1MiB")
+    with caplog.at_level(logging.WARNING):
+        e = engines(dict(ktc.kv_connector_extra_config))
+    assert any("capacity_bytes not set" in r.getMessage() for r in caplog.records), caplog.text
+    assert e.sched.native_scheduler.slot_bytes == 4096  # block_size 16 = one engine block
+    e.add("a", prompt("documented", 64), max_tokens=1)
+    e.settle()
+    assert e.sched.reset_cache() is True
+    b = e.add("b", prompt("documented", 64) + prompt("b", 8), max_tokens=1)
+    e.run()
+    assert b.loaded_tokens == 64 and not b.load_failed, b
+    assert dict(e.metrics()["tiers"])["fs"]["chunks_loaded"] == 4
+
+
+def test_disk_evictions_are_vllm_block_removed_events(engines, tmp_path):
+    """A disk tier too small for what is stored evicts: each chunk it drops comes out of the
+    connector's events as a vLLM BlockRemoved on the disk's medium, after its BlockStored there."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from connector_driver import prompt
+
+    e = engines(config(secondary_tiers=[{"type": "fs", "root_dir": str(tmp_path),
+                                         "capacity_bytes": 32 * 4096, "engine": "sync"}]))
+    for r in range(6):
+        e.add(f"r{r}", prompt(f"evict-{r}", 128), max_tokens=1)
+        e.settle()
+    fs = dict(e.metrics()["tiers"])["fs"]
+    disk_removed = [h for ev in e.events if isinstance(ev, BlockRemoved) and ev.medium == "DISK"
+                    for h in ev.block_hashes]
+    assert fs["evictions_reported"] > 0 and fs["evictions_unreported"] == 0, fs
+    assert len(disk_removed) == len(set(disk_removed)) == fs["evictions_reported"], fs
+    stored_on_disk = [h for ev in e.events if isinstance(ev, BlockStored) and ev.medium == "DISK"
+                      for h in ev.block_hashes]
+    assert set(disk_removed) < set(stored_on_disk), "a removed chunk never stored, or all removed"
+    first = {}
+    for i, ev in enumerate(e.events):
+        if ev.medium == "DISK":
+            for h in ev.block_hashes:
+                first.setdefault(h, (i, type(ev).__name__))
+    assert all(first[h][1] == "BlockStored" for h in disk_removed), "removed before stored"
 
 
 def test_unknown_setting_is_refused_by_name():

@@ -9,7 +9,14 @@ import os
 
 import pytest
 
-from conftest import VLLM_ERROR, chunk_bytes, need_vllm, prefix_keys, registry_metric_types
+from conftest import (
+    DOCUMENTED,
+    VLLM_ERROR,
+    chunk_bytes,
+    need_vllm,
+    prefix_keys,
+    registry_metric_types,
+)
 
 pytestmark = pytest.mark.usefixtures("vllm_ok")
 
@@ -211,28 +218,6 @@ def test_tier_metrics_reach_prometheus_through_vllms_tiering_spec(engines, tmp_p
     # vLLM's own per-tier write counter, filled from our JobResult.transfer_bytes.
     names = {m.name for m in reg.collect()}
     assert "vllm:kv_offload_tiering_write_bytes" in names, sorted(names)
-
-
-# vLLM's Multi-Tier Setup example (docs: features/kv_offloading_usage), with its fs tier entry
-# pointed at kvtier: only "type" and "module_path" change; every other key is vLLM's.
-DOCUMENTED = """{
-  "kv_connector": "OffloadingConnector",
-  "kv_role": "kv_both",
-  "kv_connector_extra_config": {
-    "spec_name": "TieringOffloadingSpec",
-    "cpu_bytes_to_use": 10737418240,
-    "block_size": 16,
-    "eviction_policy": "lru",
-    "secondary_tiers": [
-      {
-        "type": "fs",
-        "root_dir": "/mnt/kv_cache",
-        "n_read_threads": 32,
-        "n_write_threads": 32
-      }
-    ]
-  }
-}"""
 
 
 def test_documented_config_works_with_kvtier(engines, tmp_path):

@@ -35,6 +35,29 @@ p2p tier keys:
   secret                    shared secret (string); required to listen or connect beyond loopback.
   published_bytes_max       bytes of chunks kept for peers (default 256MiB).
   lookup_deadline_s, fetch_deadline_s, nixl.
+
+The connector (`KvtierConnector`) takes the connector crate's configuration as
+`kv_connector_extra_config` (`connector_settings` below): the same keys as `kvtier run --config`
+(README, "The configuration file"), with vLLM's OffloadingConnector keys understood too, so that
+an extra config pasted from vLLM's documentation works with only `kv_connector` and
+`kv_connector_module_path` changed:
+  spec_name, spec_module_path   ignored (they pick vLLM's own spec).
+  cpu_bytes_to_use              a size ("10GiB" or bytes).
+  store_threshold               vLLM's name for reuse_threshold (same meaning: below 2 stores on
+                                first sight); giving both is an error.
+  enable_kv_events              publish BlockStored/BlockRemoved (as vLLM's kv_events_config).
+  tier_poll_interval_s, backpressure, max_tracker_size, self_describing_kv_events,
+  enable_telemetry, sync_load_budget_bytes
+                                knobs of vLLM's own connector: accepted, no effect, a warning.
+  cache_policy_module_path, canonical_layout=true
+                                refused, naming the key (kvtier cannot honour them).
+  secondary_tiers               entries of type "fs" take every fs key above (vLLM's
+                                n_read_threads/n_write_threads, capacity_bytes optional, sizes,
+                                `KVTIER_*` overrides); "KvtierFsTier"/"KvtierP2pTier" (with any
+                                module_path) are read as "fs"/"p2p". Other entries ("p2p", "obj",
+                                a type the embedding program registered) keep the connector's own
+                                keys; their sizes may be strings.
+Top-level keys take `KVTIER_<KEY>` overrides too (`KVTIER_CPU_BYTES_TO_USE=16GiB`).
 """
 
 from __future__ import annotations
@@ -45,7 +68,7 @@ import shutil
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ConfigError", "parse_size", "fs_settings", "p2p_settings"]
+__all__ = ["ConfigError", "parse_size", "fs_settings", "p2p_settings", "connector_settings"]
 
 
 class ConfigError(ValueError):
@@ -265,3 +288,148 @@ def p2p_settings(
     if entry.get("nixl") is not None:
         out["nixl"] = _bool(entry["nixl"], "nixl")
     return out, []
+
+
+# -- the connector's configuration ------------------------------------------------------------------
+
+# The connector crate's top-level keys (connector::config::ConnectorConfig), by kind of value.
+_CONNECTOR_SIZES = {"cpu_bytes_to_use"}
+_CONNECTOR_INTS = {
+    "block_size",
+    "blocks_per_chunk",
+    "reuse_threshold",
+    "promotion_deadline_ms",
+    "cascade_deadline_ms",
+    "reset_drain_deadline_ms",
+}
+_CONNECTOR_BOOLS = {"offload_prompt_only"}
+_CONNECTOR_STRS = {"eviction_policy", "offload_policy"}
+_CONNECTOR_KEYS = _CONNECTOR_SIZES | _CONNECTOR_INTS | _CONNECTOR_BOOLS | _CONNECTOR_STRS
+# vLLM OffloadingConnector keys that only steer vLLM's own connector: accepted, no effect.
+_VLLM_CONNECTOR_ONLY = {
+    "tier_poll_interval_s",
+    "backpressure",
+    "max_tracker_size",
+    "self_describing_kv_events",
+    "enable_telemetry",
+    "sync_load_budget_bytes",
+}
+# Tier types of kvtier.vllm.tiers, read as the connector's own.
+_TIER_ALIASES = {"KvtierFsTier": "fs", "KvtierP2pTier": "p2p"}
+# Size-valued keys of the connector's p2p and obj entries (strings like "256MiB" accepted).
+_ENTRY_SIZES = {"published_bytes_max", "multipart_threshold_bytes", "part_bytes"}
+
+
+def _typed(value: Any, key: str) -> Any:
+    """A top-level connector value (from the file or a `KVTIER_*` string) as the connector takes
+    it."""
+    if key in _CONNECTOR_SIZES:
+        return parse_size(value, key)
+    if key in _CONNECTOR_INTS:
+        return _int(value, key, 0, 1 << 62)
+    if key in _CONNECTOR_BOOLS:
+        return _bool(value, key)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: {value!r} is not a string")
+    return value
+
+
+def _connector_tier(entry: Any, index: int, environ: Mapping[str, str]) -> tuple[dict, list[str]]:
+    """One `secondary_tiers` entry as the connector takes it, and warnings to log."""
+    where = f"secondary_tiers[{index}]"
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: {entry!r} is not a table of settings")
+    kind = entry.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"{where}: 'type' is required (fs, p2p, obj, or a registered type)")
+    kind = _TIER_ALIASES.get(kind, kind)
+    if kind == "fs":
+        # KVTIER_STORE_THRESHOLD is the connector's reuse threshold here, not the fs entry's.
+        fs_environ = {k: v for k, v in environ.items() if k != "KVTIER_STORE_THRESHOLD"}
+        try:
+            settings, warnings = fs_settings(entry, fs_environ)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if "jobs_in_flight_max" in settings:
+            raise ConfigError(
+                f"{where}: jobs_in_flight_max is a setting of kvtier.vllm.tiers' fs tier, "
+                "not of the connector's"
+            )
+        if settings.get("engine") == "io_uring":
+            settings["engine"] = "uring"
+        return {"type": "fs", **settings}, warnings
+    out = {"type": kind}
+    for key, value in entry.items():
+        if key in _IGNORED or key in _VLLM_HANDLED:
+            continue
+        env = environ.get("KVTIER_" + key.upper())
+        if env is not None:
+            value = env
+            if key in ("peers", "etcd_endpoints"):
+                value = [p.strip() for p in env.split(",") if p.strip()]
+            elif key != "secret_file" and env.strip().isdigit():
+                value = int(env)
+        if key in _ENTRY_SIZES and value is not None:
+            value = parse_size(value, f"{where}.{key}")
+        out[key] = value
+    return out, []
+
+
+def connector_settings(
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """`kv_connector_extra_config` as the connector crate's configuration (JSON-ready), and
+    warnings to log. vLLM's OffloadingConnector keys are understood (see the module doc); a key
+    neither kvtier nor vLLM knows is an error naming it."""
+    environ = os.environ if environ is None else environ
+    extra = dict(extra or {})
+    for key in _CONNECTOR_KEYS | {"store_threshold"}:
+        env = environ.get("KVTIER_" + key.upper())
+        if env is not None:
+            extra[key] = env
+    warnings: list[str] = []
+    out: dict[str, Any] = {}
+    if "store_threshold" in extra:
+        if "reuse_threshold" in extra:
+            raise ConfigError("give store_threshold (vLLM's name) or reuse_threshold, not both")
+        extra["reuse_threshold"] = extra.pop("store_threshold")
+    if extra.get("cache_policy_module_path"):
+        raise ConfigError(
+            "cache_policy_module_path: kvtier's host pool has its own policies "
+            "(eviction_policy = \"lru\" or \"arc\"); a Python cache policy cannot be used"
+        )
+    if extra.get("canonical_layout"):
+        raise ConfigError(
+            "canonical_layout: true is a layout of vLLM's own connector; kvtier keeps the "
+            "engine's block layout (leave it unset or false)"
+        )
+    ignored = []
+    for key, value in extra.items():
+        if key in ("spec_name", "spec_module_path", "enable_kv_events", "cache_policy_module_path",
+                   "canonical_layout"):
+            continue
+        if key in _VLLM_CONNECTOR_ONLY:
+            ignored.append(key)
+            continue
+        if key == "secondary_tiers":
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"secondary_tiers: {value!r} is not a list of tier entries")
+            tiers = []
+            for i, entry in enumerate(value):
+                tier, tier_warnings = _connector_tier(entry, i, environ)
+                tiers.append(tier)
+                warnings += tier_warnings
+            out["secondary_tiers"] = tiers
+            continue
+        if key not in _CONNECTOR_KEYS:
+            known = sorted(_CONNECTOR_KEYS | {"secondary_tiers", "store_threshold"})
+            raise ConfigError(
+                f"kvtier connector: unknown setting {key!r}; known: {', '.join(known)}"
+            )
+        out[key] = _typed(value, key)
+    if ignored:
+        warnings.append(
+            f"kvtier connector: {', '.join(sorted(ignored))} steer(s) vLLM's own offloading "
+            "connector and have no effect here"
+        )
+    return out, warnings

@@ -10,8 +10,14 @@
 
 `kv_connector_extra_config` is kvtier's connector configuration (the connector crate's keys:
 `cpu_bytes_to_use`, `block_size` or `blocks_per_chunk`, `eviction_policy`,
-`offload_prompt_only`, `offload_policy`, `reuse_threshold`, `promotion_deadline_ms`,
-`secondary_tiers` with `fs` and `p2p` entries); an unknown key is refused by name.
+`offload_prompt_only`, `offload_policy`, `reuse_threshold`, the deadlines, `secondary_tiers` with
+`fs`, `p2p` and `obj` entries). vLLM's OffloadingConnector keys are understood too, so an extra
+config pasted from vLLM's documentation works with only `kv_connector` and
+`kv_connector_module_path` changed: `spec_name` is ignored, `store_threshold` is
+`reuse_threshold`, an fs entry takes vLLM's `n_read_threads`/`n_write_threads` and may leave out
+`capacity_bytes`, sizes may be strings ("10GiB"), and `KVTIER_*` variables override keys
+(`kvtier.config.connector_settings` lists them all). A key neither kvtier nor vLLM knows is
+refused by name.
 
 What runs where: the scheduler side is offload-core's request state machine over kvtier's tiering
 manager (host pool plus secondary tiers), native; the worker side copies between vLLM's KV cache
@@ -43,7 +49,8 @@ the host pool is memory of the process. With its multi-process executor (`"mp"`)
 tensor parallel only, the host pool is a file in `/dev/shm` (`$KVTIER_SHM_DIR`) named by the
 engine id, mapped by the scheduler process and every worker process; each slot holds every
 rank's shard of the chunk, rank after rank, and every job completes at its last rank's
-acknowledgement. `reset_cache` is refused there (the workers' copies cannot be waited for). Other
+acknowledgement; `reset_cache` works there as in one process, since the core holds the host slot
+of every job in flight until every rank acknowledged it. Other
 layouts (pipeline parallel, several nodes, Ray) are refused at start, naming the setting, and so
 are KV caches spread over several devices or on a device other than the CPU or a CUDA GPU.
 
@@ -89,6 +96,7 @@ from .._kvtier import (
     block_hashes_to_u128,
     resolve_connector_config,
 )
+from ..config import connector_settings
 from ..kvcache import KvDevice, kv_cache_regions
 
 if TYPE_CHECKING:
@@ -449,7 +457,12 @@ class KvtierConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ValueError("kvtier connector: vLLM gave no kv_cache_config")
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self._config_json = json.dumps(extra)
+        # vLLM's OffloadingConnector keys understood, sizes parsed, KVTIER_* overrides applied.
+        settings, warnings = connector_settings(extra)
+        if role == KVConnectorRole.SCHEDULER:
+            for warning in warnings:
+                logger.warning("%s", warning)
+        self._config_json = json.dumps(settings)
         self._geometry = _engine_geometry(vllm_config, kv_cache_config, self._layout.workers)
         self._resolved = resolve_connector_config(self._config_json, self._geometry)
         self._engine_id = _engine_id(vllm_config)
@@ -518,15 +531,18 @@ class KvtierConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         assert self._sched is not None
         if self._layout.in_file:
-            # The workers are other processes: their copies cannot be waited for here, and a
-            # slot freed under one of them could be torn by a promotion. Refuse.
-            logger.warning("kvtier connector: reset_cache is not supported with worker "
-                           "processes; nothing was reset")
-            return False
-        # The reset frees every host slot at once, and the tiering manager may promote into one
-        # at the next lookup; a worker copy still reading or writing that slot would tear it. The
-        # workers are in this process: wait for their copies first (their completions are still
-        # reported, and loads older than the reset are reported failed).
+            # The workers are other processes, whose copies cannot be waited for here. None is
+            # needed: offload-core's reset holds the host slot of every job in flight (built,
+            # sent or running) until every worker acknowledged that job, so no promotion or new
+            # store takes a slot a worker copy may still read or write; the next step's metadata
+            # carries the reset, and each worker ends its older jobs before touching a slot; a
+            # load older than the reset is reported failed (vLLM recomputes), its request holding
+            # the blocks the load writes until every rank acknowledged it.
+            self._sched.reset_cache()
+            return True
+        # The workers are in this process: wait for their copies first, so no copy of metadata
+        # built before the reset starts after it (defence in depth beside the slot holds above;
+        # their completions are still reported, and loads older than the reset fail).
         with _POOLS_LOCK:
             workers = list(_WORKERS.get(self._engine_id, ()))
         epoch = _epoch(self._engine_id)
