@@ -1,9 +1,11 @@
 //! The complete example of docs/writing-a-tier.md: `MemoryTier`, a secondary tier that keeps
-//! chunks in its own memory and completes each job after a modelled latency, its factory
-//! (`type = "memory"` in a config file), the conformance suite run against it from one macro
-//! line, and a config file naming it, end to end: parsed, resolved through a registry, started
-//! under the tiering manager, a chunk cascaded into it and promoted back byte for byte. A last
-//! test checks that every Rust block of the guide is a verbatim part of this file.
+//! chunks in its own memory (least recently used evicted first, evictions reported through
+//! `Tier::take_evicted`) and its jobs in offload-core's `JobBook`, completing each after a
+//! modelled latency; its factory (`type = "memory"` in a config file), the conformance suite run
+//! against it from one macro line, and a config file naming it, end to end: parsed, resolved
+//! through a registry, started under the tiering manager, chunks cascaded into it and promoted
+//! back byte for byte, one evicted and seen as a `Removed` event. A last test checks that every
+//! Rust block of the guide is a verbatim part of this file.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
