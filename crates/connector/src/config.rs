@@ -301,8 +301,37 @@ impl ObjTierSpec {
 
 /// A built-in `secondary_tiers` entry, typed (the registry hands every entry to its factory as a
 /// [`TierEntry`]; the built-in factory reads it as a `TierSpec`).
+///
+/// Non-exhaustive: a new built-in tier type adds a variant, so code outside this crate that
+/// matches it keeps a `_` arm:
+///
+/// ```
+/// use connector::config::TierSpec;
+///
+/// fn kind(spec: &TierSpec) -> &'static str {
+///     match spec {
+///         TierSpec::Fs(_) => "disk",
+///         TierSpec::P2p(_) => "peers",
+///         TierSpec::Obj(_) => "object store",
+///         _ => "another built-in tier",
+///     }
+/// }
+/// # let _ = kind;
+/// ```
+///
+/// ```compile_fail
+/// // Without the `_` arm it does not compile outside connector:
+/// fn kind(spec: &connector::config::TierSpec) -> &'static str {
+///     match spec {
+///         connector::config::TierSpec::Fs(_) => "disk",
+///         connector::config::TierSpec::P2p(_) => "peers",
+///         connector::config::TierSpec::Obj(_) => "object store",
+///     }
+/// }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(tag = "type")]
+#[non_exhaustive]
 pub enum TierSpec {
     /// The disk tier.
     #[serde(rename = "fs")]

@@ -1,11 +1,13 @@
 //! The complete example of docs/writing-a-tier.md: `MemoryTier`, a secondary tier that keeps
-//! chunks in its own memory and completes each job after a modelled latency, its factory
-//! (`type = "memory"` in a config file), the conformance suite run against it from one macro
-//! line, and a config file naming it, end to end: parsed, resolved through a registry, started
-//! under the tiering manager, a chunk cascaded into it and promoted back byte for byte. A last
-//! test checks that every Rust block of the guide is a verbatim part of this file.
+//! chunks in its own memory (least recently used evicted first, evictions reported through
+//! `Tier::take_evicted`) and its jobs in offload-core's `JobBook`, completing each after a
+//! modelled latency; its factory (`type = "memory"` in a config file), the conformance suite run
+//! against it from one macro line, and a config file naming it, end to end: parsed, resolved
+//! through a registry, started under the tiering manager, chunks cascaded into it and promoted
+//! back byte for byte, one evicted and seen as a `Removed` event. A last test checks that every
+//! Rust block of the guide is a verbatim part of this file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +17,7 @@ use offload_core::tier::{
     FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
     TierLookup, TierOp,
 };
-use offload_core::{ChunkKey, JobId, Medium, RequestId, SlotId};
+use offload_core::{ChunkKey, JobBook, JobId, Medium, RequestId, SlotId};
 
 // ANCHOR: settings
 /// What a `type = "memory"` entry may say (every key optional but `capacity_bytes`).
@@ -61,30 +63,150 @@ impl MemoryTierSettings {
 /// A chunk the tier holds.
 struct Stored {
     bytes: Vec<u8>,
-    /// When it was last stored, loaded or touched (a tick of the tier's own counter).
+    /// When it was last stored, loaded or touched (a tick of the store's own counter).
     used: u64,
 }
 
-/// A job accepted and not yet reported.
-struct InFlight {
+/// The most evicted keys kept for `Tier::take_evicted`; beyond it the oldest are dropped and
+/// counted. The tiering manager takes them at every poll, so only a tier nobody polls fills it.
+const EVICTED_KEPT_MAX: usize = 4096;
+
+/// The chunks the tier holds, at most `bytes_max` bytes of them, the least recently used
+/// evicted first; evicted keys wait here for `Tier::take_evicted`.
+struct LruChunks {
+    chunks: BTreeMap<ChunkKey, Stored>,
+    bytes: u64,
+    bytes_max: u64,
+    tick: u64,
+    /// Keys evicted and not yet taken, oldest first; at most `EVICTED_KEPT_MAX`.
+    evicted: VecDeque<ChunkKey>,
+    /// Keys dropped from a full `evicted` since the last `take_evicted`.
+    evicted_dropped: u64,
+}
+
+/// What the tier keeps about a job in its `JobBook` (the book itself keeps the job's keys and
+/// whether a cancel was asked).
+struct Pending {
     job: TierJob,
     /// When the latency model lets it finish.
     due: Instant,
-    cancelled: bool,
 }
 
 /// An in-memory secondary tier with a latency model.
 pub struct MemoryTier {
     memory: Arc<dyn SlotMemory>,
     settings: MemoryTierSettings,
-    chunks: BTreeMap<ChunkKey, Stored>,
-    stored_bytes: u64,
-    tick: u64,
-    in_flight: BTreeMap<JobId, InFlight>,
+    chunks: LruChunks,
+    /// The jobs accepted whose completion is not in `ready` yet: offload-core's ledger.
+    jobs: JobBook<Pending>,
+    /// Completions for `poll` to hand out, their jobs already taken out of `jobs`.
     ready: Vec<TierCompletion>,
     shut_down: bool,
 }
 // ANCHOR_END: state
+
+// ANCHOR: chunks
+impl LruChunks {
+    fn new(bytes_max: u64) -> Self {
+        Self {
+            chunks: BTreeMap::new(),
+            bytes: 0,
+            bytes_max,
+            tick: 0,
+            evicted: VecDeque::new(),
+            evicted_dropped: 0,
+        }
+    }
+
+    fn contains(&self, key: ChunkKey) -> bool {
+        self.chunks.contains_key(&key)
+    }
+
+    /// Marks `key` as the most recently used chunk.
+    fn touch(&mut self, key: ChunkKey) {
+        self.tick += 1;
+        if let Some(chunk) = self.chunks.get_mut(&key) {
+            chunk.used = self.tick;
+        }
+    }
+
+    /// Copies one chunk from its host slot in, evicting the least recently used chunks to make
+    /// room; `Io` (no space) if it cannot fit at all.
+    fn store(
+        &mut self,
+        memory: &dyn SlotMemory,
+        key: ChunkKey,
+        slot: SlotId,
+        len: u32,
+    ) -> Result<(), TierFailure> {
+        let len = u64::from(len);
+        if len > self.bytes_max {
+            return Err(TierFailure::Io);
+        }
+        if let Some(old) = self.chunks.remove(&key) {
+            self.bytes -= old.bytes.len() as u64;
+        }
+        // Stored again before its eviction was reported: it is held, so no `Removed` for it.
+        self.evicted.retain(|&k| k != key);
+        while self.bytes + len > self.bytes_max {
+            self.evict_oldest();
+        }
+        let mut bytes = vec![0u8; len as usize];
+        memory.read_slot(slot, 0, &mut bytes);
+        self.tick += 1;
+        self.bytes += len;
+        let used = self.tick;
+        self.chunks.insert(key, Stored { bytes, used });
+        debug_assert!(self.bytes <= self.bytes_max);
+        Ok(())
+    }
+
+    /// Drops the least recently used chunk (a linear scan: keep a recency index, as tier-p2p's
+    /// store does, when a tier holds many chunks) and notes its key for `take_evicted`.
+    fn evict_oldest(&mut self) {
+        let Some((&oldest, _)) = self.chunks.iter().min_by_key(|(_, c)| c.used) else {
+            return;
+        };
+        let Some(chunk) = self.chunks.remove(&oldest) else {
+            return;
+        };
+        self.bytes -= chunk.bytes.len() as u64;
+        if self.evicted.len() == EVICTED_KEPT_MAX {
+            self.evicted.pop_front();
+            self.evicted_dropped += 1;
+        }
+        self.evicted.push_back(oldest);
+    }
+
+    /// Copies one chunk into its host slot; `Missing` if the tier does not hold it, `Corrupt` if
+    /// it holds another length under that key.
+    fn load(
+        &mut self,
+        memory: &dyn SlotMemory,
+        key: ChunkKey,
+        slot: SlotId,
+        len: u32,
+    ) -> Result<(), TierFailure> {
+        self.tick += 1;
+        let tick = self.tick;
+        match self.chunks.get_mut(&key) {
+            Some(chunk) if chunk.bytes.len() == len as usize => {
+                chunk.used = tick;
+                memory.write_slot(slot, 0, &chunk.bytes);
+                Ok(())
+            }
+            Some(_) => Err(TierFailure::Corrupt),
+            None => Err(TierFailure::Missing),
+        }
+    }
+
+    /// Moves the evicted keys into `out`, oldest first; returns how many were dropped unreported.
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        out.extend(self.evicted.drain(..));
+        std::mem::take(&mut self.evicted_dropped)
+    }
+}
+// ANCHOR_END: chunks
 
 // ANCHOR: helpers
 impl MemoryTier {
@@ -92,22 +214,17 @@ impl MemoryTier {
     pub fn new(memory: Arc<dyn SlotMemory>, settings: MemoryTierSettings) -> Self {
         Self {
             memory,
+            chunks: LruChunks::new(settings.capacity_bytes),
+            jobs: JobBook::new(settings.jobs_in_flight_max),
             settings,
-            chunks: BTreeMap::new(),
-            stored_bytes: 0,
-            tick: 0,
-            in_flight: BTreeMap::new(),
             ready: Vec::new(),
             shut_down: false,
         }
     }
 
-    /// Why `job` is malformed, if it is: checked before anything else, so a refused job has
-    /// no effect.
+    /// Why `job`'s chunks are malformed, if they are: checked before anything else, so a refused
+    /// job has no effect (the book checks the job's id).
     fn invalid(&self, job: &TierJob) -> Option<String> {
-        if self.in_flight.contains_key(&job.id) {
-            return Some(format!("job id {} is already in flight", job.id.0));
-        }
         let mut keys = std::collections::BTreeSet::new();
         let mut written = std::collections::BTreeSet::new();
         for &TierChunk { key, slot, len } in &job.chunks {
@@ -127,77 +244,45 @@ impl MemoryTier {
         None
     }
 
-    /// Copies one chunk from its host slot into the tier, evicting the least recently used
-    /// chunks to make room; `Io` (no space) if it cannot fit at all.
-    fn store_chunk(&mut self, key: ChunkKey, slot: SlotId, len: u32) -> Result<(), TierFailure> {
-        let len = u64::from(len);
-        if len > self.settings.capacity_bytes {
-            return Err(TierFailure::Io);
-        }
-        if let Some(old) = self.chunks.remove(&key) {
-            self.stored_bytes -= old.bytes.len() as u64;
-        }
-        while self.stored_bytes + len > self.settings.capacity_bytes {
-            let Some((&oldest, _)) = self.chunks.iter().min_by_key(|(_, c)| c.used) else {
-                break;
-            };
-            let evicted = self.chunks.remove(&oldest).map_or(0, |c| c.bytes.len());
-            self.stored_bytes -= evicted as u64;
-        }
-        let mut bytes = vec![0u8; len as usize];
-        self.memory.read_slot(slot, 0, &mut bytes);
-        self.tick += 1;
-        self.stored_bytes += len;
-        self.chunks.insert(
-            key,
-            Stored {
-                bytes,
-                used: self.tick,
-            },
-        );
-        Ok(())
-    }
-
-    /// Copies one chunk into its host slot; `Missing` if the tier does not hold it, `Corrupt` if
-    /// it holds another length under that key.
-    fn load_chunk(&mut self, key: ChunkKey, slot: SlotId, len: u32) -> Result<(), TierFailure> {
-        self.tick += 1;
-        let tick = self.tick;
-        match self.chunks.get_mut(&key) {
-            Some(chunk) if chunk.bytes.len() == len as usize => {
-                chunk.used = tick;
-                self.memory.write_slot(slot, 0, &chunk.bytes);
-                Ok(())
-            }
-            Some(_) => Err(TierFailure::Corrupt),
-            None => Err(TierFailure::Missing),
-        }
-    }
-
-    /// Reports every job that is due (or cancelled, or, with `all`, every job), in id order.
-    fn finish_jobs(&mut self, now: Instant, all: bool) {
+    /// Finishes every job that is due or was asked to cancel (with `all`, every job), in id
+    /// order.
+    fn finish_jobs(&mut self, all: bool) {
+        let now = Instant::now();
         let done: Vec<JobId> = self
-            .in_flight
+            .jobs
             .iter()
-            .filter(|(_, j)| all || j.cancelled || j.due <= now)
-            .map(|(&id, _)| id)
+            .filter(|(_, b)| all || b.cancelled || b.value.due <= now)
+            .map(|(id, _)| id)
             .collect();
         for id in done {
-            let Some(InFlight { job, cancelled, .. }) = self.in_flight.remove(&id) else {
-                continue;
+            self.finish_job(id);
+        }
+    }
+
+    /// Runs job `id` (or, if a cancel was asked, fails every key `Cancelled`), takes it out of
+    /// the book and queues its completion.
+    fn finish_job(&mut self, id: JobId) {
+        let Some(booked) = self.jobs.get(id) else {
+            return;
+        };
+        let memory = self.memory.as_ref();
+        let mut failed = Vec::new();
+        for &TierChunk { key, slot, len } in &booked.value.job.chunks {
+            let moved = match (booked.cancelled, booked.value.job.op) {
+                (true, _) => Err(TierFailure::Cancelled),
+                (false, TierOp::Store) => self.chunks.store(memory, key, slot, len),
+                (false, TierOp::Load) => self.chunks.load(memory, key, slot, len),
             };
-            let mut failed = Vec::new();
-            for &TierChunk { key, slot, len } in &job.chunks {
-                let moved = match (cancelled, job.op) {
-                    (true, _) => Err(TierFailure::Cancelled),
-                    (false, TierOp::Store) => self.store_chunk(key, slot, len),
-                    (false, TierOp::Load) => self.load_chunk(key, slot, len),
-                };
-                if let Err(kind) = moved {
-                    failed.push(FailedKey::new(key, kind));
-                }
+            if let Err(kind) = moved {
+                failed.push(FailedKey::new(key, kind));
             }
-            self.ready.push(TierCompletion { id, failed });
+        }
+        let completion = TierCompletion { id, failed };
+        match self.jobs.complete(&completion) {
+            Ok(_) => self.ready.push(completion),
+            // Not here (the job is in flight and fails only its own keys, once); a tier whose
+            // workers report completions counts such a refusal and does not hand it out.
+            Err(broken) => debug_assert!(false, "memory tier: {broken}"),
         }
     }
 }
@@ -214,7 +299,7 @@ impl Tier for MemoryTier {
     }
 
     fn lookup(&mut self, key: ChunkKey) -> TierLookup {
-        if self.chunks.contains_key(&key) {
+        if self.chunks.contains(key) {
             TierLookup::Hit
         } else {
             TierLookup::Miss
@@ -223,11 +308,8 @@ impl Tier for MemoryTier {
 
     fn touch(&mut self, keys: &[ChunkKey]) {
         // Reverse order: the first chunk of a prefix becomes the most recently used.
-        for key in keys.iter().rev() {
-            self.tick += 1;
-            if let Some(chunk) = self.chunks.get_mut(key) {
-                chunk.used = self.tick;
-            }
+        for &key in keys.iter().rev() {
+            self.chunks.touch(key);
         }
     }
 
@@ -238,54 +320,53 @@ impl Tier for MemoryTier {
         if let Some(reason) = self.invalid(&job) {
             return Err(SubmitError::Invalid(reason));
         }
-        if self.in_flight.len() >= self.settings.jobs_in_flight_max {
-            return Err(SubmitError::Busy {
-                in_flight: self.in_flight.len(),
-            });
-        }
         let bytes = job.chunks.iter().map(|c| u64::from(c.len)).sum();
         let due = Instant::now() + self.settings.job_duration(bytes);
-        let id = job.id;
-        let cancelled = false;
-        self.in_flight.insert(
-            id,
-            InFlight {
-                job,
-                due,
-                cancelled,
-            },
-        );
-        Ok(())
+        let pending = Pending {
+            job: job.clone(),
+            due,
+        };
+        // The book refuses, changing nothing, an id already in flight (`Invalid`) and a job
+        // beyond `jobs_in_flight_max` (`Busy`).
+        self.jobs.insert(&job, pending)
     }
 
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {
-        self.finish_jobs(Instant::now(), false);
+        self.finish_jobs(false);
         out.append(&mut self.ready);
     }
 
     fn cancel(&mut self, id: JobId) {
-        if let Some(job) = self.in_flight.get_mut(&id) {
-            job.cancelled = true;
-        }
+        // The book remembers it; the next poll fails the job's keys `Cancelled`.
+        self.jobs.cancel(id);
     }
 
     fn drain(&mut self) {
         // Wait out the latency model (bounded by the longest job), then finish everything.
-        let latest = self.in_flight.values().map(|j| j.due).max();
+        let latest = self.jobs.iter().map(|(_, b)| b.value.due).max();
         if let Some(wait) = latest.and_then(|due| due.checked_duration_since(Instant::now())) {
             std::thread::sleep(wait);
         }
-        self.finish_jobs(Instant::now(), true);
+        self.finish_jobs(true);
     }
 
     fn on_request_finished(&mut self, _request: RequestId) {}
 
     fn shutdown(&mut self) {
-        for job in self.in_flight.values_mut() {
-            job.cancelled = true;
+        // Every job still in flight fails whole, taken out of the book with its completion.
+        for (completion, _) in self.jobs.fail_where(TierFailure::Cancelled, |_, _| true) {
+            self.ready.push(completion);
         }
-        self.finish_jobs(Instant::now(), true);
         self.shut_down = true;
+    }
+
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        // A completion still in `ready` (after `drain`) may have stored a key evicted since:
+        // its `Stored` event comes when `poll` hands it out, so its `Removed` waits for that.
+        if !self.ready.is_empty() {
+            return 0;
+        }
+        self.chunks.take_evicted(out)
     }
 }
 // ANCHOR_END: tier
@@ -349,7 +430,7 @@ block_size = 64
 
 [[secondary_tiers]]
 type = "memory"
-capacity_bytes = 1048576
+capacity_bytes = 12288  # three chunks of 4096 bytes
 latency_us = 300
 "#;
 
@@ -378,7 +459,7 @@ fn poll_until(mut step: impl FnMut() -> bool, what: &str) {
 
 #[test]
 fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_byte() {
-    use offload_core::{LookupResult, OffloadManager, PreparedStore};
+    use offload_core::{KvEvent, LookupResult, OffloadManager, PreparedStore};
     use tier_testkit::{fill_slot, first_mismatch, VecSlotMemory};
 
     let config = ConnectorConfig::from_toml_str(CONFIG).expect("parses");
@@ -445,6 +526,119 @@ fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_b
         );
     }
     assert_eq!(manager.tier_counters(0).map(|c| c.chunks_loaded), Some(3));
+
+    // A fourth chunk fills the memory tier past its three chunks: it evicts the least recently
+    // used (the first, loaded first), and the manager reports that as a `Removed` event of the
+    // memory tier with its medium, after that key's `Stored` event.
+    let mut events = Vec::new();
+    manager.take_tier_events(&mut events);
+    let fourth = ChunkKey::new(0x5eed_0004, 0);
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(&[fourth], RequestId(3), &mut prepared)
+        .expect("room");
+    fill_slot(
+        memory.as_ref(),
+        prepared.slots[0],
+        slot_bytes,
+        fourth.hash_low(),
+    );
+    manager.complete_store(&prepared.keys, true);
+    manager.on_request_finished(RequestId(3));
+    poll_until(
+        || {
+            manager.begin_step();
+            manager.tier_jobs_in_flight() == 0
+        },
+        "the fourth cascade",
+    );
+    manager.take_tier_events(&mut events);
+    let medium = Medium::Cpu; // `MemoryTier::medium`, which the manager asks each tier for
+    let in_memory_tier: Vec<&KvEvent> = events
+        .iter()
+        .filter(|e| e.tier == "memory")
+        .map(|e| &e.event)
+        .collect();
+    let at = |event: KvEvent| in_memory_tier.iter().position(|e| **e == event);
+    let removed = at(KvEvent::Removed {
+        key: keys[0],
+        medium,
+    });
+    let stored = at(KvEvent::Stored {
+        key: keys[0],
+        medium,
+    });
+    assert!(
+        removed.is_some() && stored < removed,
+        "the memory tier's events: {in_memory_tier:?}"
+    );
+    let removals = in_memory_tier
+        .iter()
+        .filter(|e| matches!(e, KvEvent::Removed { .. }))
+        .count();
+    assert_eq!(removals, 1, "one eviction: {in_memory_tier:?}");
+    let counters = manager.tier_counters(0).expect("tier 0");
+    assert_eq!(
+        (counters.evictions_reported, counters.evictions_unreported),
+        (1, 0)
+    );
+}
+
+/// The tier alone: a key evicted by a store whose completion is not handed out yet is held back
+/// until `poll` hands it out (its `Stored` event first), a key stored again before its eviction
+/// was reported is not reported, and each report comes once.
+#[test]
+fn evicted_keys_are_reported_after_the_completions_that_stored_them_and_once() {
+    use tier_testkit::{fill_slot, VecSlotMemory};
+
+    let memory = Arc::new(VecSlotMemory::new(4, 64));
+    let settings = MemoryTierSettings {
+        capacity_bytes: 64,
+        latency_us: 0,
+        bandwidth_mib_per_s: 1024,
+        jobs_in_flight_max: 4,
+    };
+    let mut tier = MemoryTier::new(memory.clone(), settings);
+    let (a, b) = (ChunkKey::new(0xa, 0), ChunkKey::new(0xb, 0));
+    fill_slot(memory.as_ref(), SlotId(0), 64, 1);
+    fill_slot(memory.as_ref(), SlotId(1), 64, 2);
+    let store = |id, chunks: &[(ChunkKey, u32)]| TierJob {
+        id: JobId(id),
+        request: None,
+        op: TierOp::Store,
+        chunks: chunks
+            .iter()
+            .map(|&(key, slot)| TierChunk::new(key, SlotId(slot), 64))
+            .collect(),
+    };
+    // Room for one chunk: storing b evicts a, before job 1's completion is handed out.
+    tier.submit(store(1, &[(a, 0), (b, 1)])).expect("accepted");
+    tier.drain();
+    let mut evicted = Vec::new();
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert_eq!(evicted, [], "reported before the completion that stored it");
+    let mut done = Vec::new();
+    tier.poll(&mut done);
+    assert_eq!(done, [TierCompletion::success(JobId(1))]);
+    // a comes back (evicting b) before the eviction of a was taken: only b is gone.
+    tier.submit(store(2, &[(a, 0)])).expect("accepted");
+    poll_until(
+        || {
+            tier.poll(&mut done);
+            done.len() == 2
+        },
+        "job 2",
+    );
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert_eq!(evicted, [b]);
+    assert_eq!(
+        (tier.lookup(a), tier.lookup(b)),
+        (TierLookup::Hit, TierLookup::Miss)
+    );
+    evicted.clear();
+    tier.poll(&mut done);
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert_eq!(evicted, [], "reported once");
 }
 
 #[test]
@@ -493,7 +687,7 @@ fn the_factory_checks_its_settings_and_errors_name_the_key() {
         error.contains("secondary_tiers[0]") && error.contains("colour"),
         "{error}"
     );
-    let small = CONFIG.replace("capacity_bytes = 1048576", "capacity_bytes = 100");
+    let small = CONFIG.replace("capacity_bytes = 12288", "capacity_bytes = 100");
     match ConnectorConfig::from_toml_str(&small)
         .and_then(|c| c.resolve_with(&engine(), &registry()))
     {
