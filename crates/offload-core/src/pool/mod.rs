@@ -1076,7 +1076,34 @@ impl OffloadManager for HostPool {
     fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
         // Chunks made ready, counted once at the end.
         let mut stored = 0u32;
-        for (i, &key) in keys.iter().enumerate() {
+        // The usual call, a successful store of the keys of the last prepare_store in order,
+        // needs only the slots: this loop touches nothing else (so the compiler keeps the rest
+        // in registers), and the general loop below takes over from the first key it cannot
+        // finish.
+        let mut done = 0;
+        if success {
+            let slots = &mut self.slots[..];
+            for (&key, &hint) in keys.iter().zip(&self.last_store) {
+                match slots.get_mut(hint as usize) {
+                    // `refc == -1` implies present: only `set_writing` sets it.
+                    Some(slot) if slot.is(key) && slot.refc == -1 => {
+                        debug_assert!(slot.present());
+                        slot.refc = 0;
+                    }
+                    _ => break,
+                }
+                done += 1;
+            }
+            stored = done as u32;
+            if self.config.events {
+                self.events
+                    .extend(keys[..done].iter().map(|&key| KvEvent::Stored {
+                        key,
+                        medium: Medium::Cpu,
+                    }));
+            }
+        }
+        for (i, &key) in keys.iter().enumerate().skip(done) {
             // Usually the keys of the last prepare_store, in order: their slots need no probe.
             // A slot that holds `key` is `key`'s slot (keys are unique), so the check is exact.
             let hint = self.last_store.get(i).map_or(NIL, |&s| s);
