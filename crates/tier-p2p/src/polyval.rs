@@ -14,22 +14,29 @@
 //! Field elements are `u128`s with bit `i` the coefficient of `x^i` (bytes little-endian, as in
 //! RFC 8452). `dot(a, b) = a * b * x^-128` modulo `x^128 + x^127 + x^126 + x^121 + 1`; POLYVAL
 //! of blocks `X_1..X_s` is `S_s` with `S_0 = 0`, `S_j = dot(S_{j-1} + X_j, H)`; a last partial
-//! block is padded with zeros. x86_64 with PCLMULQDQ folds 8 blocks per reduction with the
-//! precomputed powers `H^1..H^8` (under `dot`); elsewhere a portable carry-less multiply does one
-//! block at a time (slow, correct: the same values, tested against each other and RFC 8452).
+//! block is padded with zeros. x86_64 with AVX-512 and VPCLMULQDQ folds 16 blocks per reduction
+//! (four per multiply) with the precomputed powers `H^1..H^16` (under `dot`), when built by Rust
+//! 1.89 or newer (`build.rs`); with PCLMULQDQ, 8 blocks; elsewhere a portable carry-less multiply
+//! does one block at a time (slow, correct: the same values, tested against each other and RFC
+//! 8452).
 
 /// Bytes of a POLYVAL block and of its value.
 pub(crate) const BLOCK_BYTES: usize = 16;
 /// Blocks folded per reduction on the CLMUL path.
 const FOLD_BLOCKS: usize = 8;
+/// Blocks folded per reduction on the VPCLMULQDQ path (four 4-block vectors).
+const WIDE_BLOCKS: usize = 16;
 
 /// A POLYVAL hash key with what the fast path precomputes from it.
 #[derive(Clone)]
 pub(crate) struct PolyvalKey {
-    /// `powers[k]` is `H^(k + 1)` under `dot`; `powers[0]` is `H`.
-    powers: [u128; FOLD_BLOCKS],
+    /// `powers[k]` is `H^(k + 1)` under `dot`; `powers[0]` is `H`. Shared: every chunk's
+    /// hasher holds the key.
+    powers: std::sync::Arc<[u128; WIDE_BLOCKS]>,
     /// Whether this CPU has PCLMULQDQ (checked once, when the key is made).
     clmul: bool,
+    /// Whether this CPU has AVX-512F and VPCLMULQDQ, and this build the path for them.
+    wide: bool,
 }
 
 impl std::fmt::Debug for PolyvalKey {
@@ -42,13 +49,15 @@ impl PolyvalKey {
     /// The key `h` (16 bytes, little-endian), with its powers.
     pub(crate) fn new(h: [u8; BLOCK_BYTES]) -> Self {
         let h = u128::from_le_bytes(h);
-        let mut powers = [h; FOLD_BLOCKS];
-        for k in 1..FOLD_BLOCKS {
+        let mut powers = [h; WIDE_BLOCKS];
+        for k in 1..WIDE_BLOCKS {
             powers[k] = dot_soft(powers[k - 1], h);
         }
+        let clmul = clmul_available();
         Self {
-            powers,
-            clmul: clmul_available(),
+            powers: std::sync::Arc::new(powers),
+            clmul,
+            wide: clmul && wide_available(),
         }
     }
 
@@ -56,6 +65,13 @@ impl PolyvalKey {
     #[cfg(test)]
     pub(crate) fn force_portable(&mut self) {
         self.clmul = false;
+        self.wide = false;
+    }
+
+    /// Uses at most the PCLMULQDQ path (tests compare it with the wider one).
+    #[cfg(test)]
+    fn force_narrow(&mut self) {
+        self.wide = false;
     }
 
     /// Whether two keys are the same key.
@@ -79,6 +95,18 @@ fn clmul_available() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn clmul_available() -> bool {
+    false
+}
+
+#[cfg(all(target_arch = "x86_64", kvtier_vpclmul))]
+#[allow(clippy::incompatible_msrv)] // Built only by Rust 1.89 or newer (build.rs).
+fn wide_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("vpclmulqdq")
+}
+
+#[cfg(not(all(target_arch = "x86_64", kvtier_vpclmul)))]
+fn wide_available() -> bool {
     false
 }
 
@@ -136,10 +164,19 @@ impl Polyval {
     /// Folds whole blocks (`bytes.len()` a multiple of 16) into the accumulator.
     fn blocks(&mut self, bytes: &[u8]) {
         debug_assert_eq!(bytes.len() % BLOCK_BYTES, 0);
+        #[cfg(all(target_arch = "x86_64", kvtier_vpclmul))]
+        if self.key.wide {
+            // SAFETY: `wide` is true only where the CPU has AVX-512F, VPCLMULQDQ, PCLMULQDQ
+            // and SSE4.1 (checked at run time when the key was made), the target features
+            // `wide::blocks` and `clmul::blocks` enable.
+            let (acc, rest) = unsafe { wide::blocks(&self.key.powers, self.acc, bytes) };
+            self.acc = unsafe { clmul::blocks(&self.key.powers, acc, rest) };
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if self.key.clmul {
             // SAFETY: `clmul` is true only where the CPU has PCLMULQDQ and SSE4.1 (checked at
-            // run time when the key was made), the target features `blocks_clmul` enables.
+            // run time when the key was made), the target features `clmul::blocks` enables.
             self.acc = unsafe { clmul::blocks(&self.key.powers, self.acc, bytes) };
             return;
         }
@@ -186,15 +223,15 @@ mod clmul {
         _mm_slli_si128, _mm_srli_si128, _mm_xor_si128,
     };
 
-    use super::{BLOCK_BYTES, FOLD_BLOCKS};
+    use super::{BLOCK_BYTES, FOLD_BLOCKS, WIDE_BLOCKS};
 
-    fn to_m128(value: u128) -> __m128i {
+    pub(super) fn to_m128(value: u128) -> __m128i {
         // SAFETY: both are 16 plain bytes, every bit pattern valid; on little-endian x86_64 the
         // vector's low lane is the u128's low half, as the loads of the message see it.
         unsafe { std::mem::transmute::<u128, __m128i>(value) }
     }
 
-    fn from_m128(value: __m128i) -> u128 {
+    pub(super) fn from_m128(value: __m128i) -> u128 {
         // SAFETY: as in `to_m128`.
         unsafe { std::mem::transmute::<__m128i, u128>(value) }
     }
@@ -222,7 +259,7 @@ mod clmul {
     #[inline]
     #[target_feature(enable = "pclmulqdq,sse2")]
     #[allow(unused_unsafe)]
-    unsafe fn reduce(lo: __m128i, mid: __m128i, hi: __m128i) -> __m128i {
+    pub(super) unsafe fn reduce(lo: __m128i, mid: __m128i, hi: __m128i) -> __m128i {
         // SAFETY: register operations only; the caller has the target features.
         unsafe {
             let poly = _mm_setr_epi32(1, 0, 0, 0xc200_0000_u32 as i32);
@@ -247,8 +284,12 @@ mod clmul {
     ///
     /// The CPU must have PCLMULQDQ and SSE4.1.
     #[target_feature(enable = "pclmulqdq,sse2,ssse3,sse4.1")]
-    pub(super) unsafe fn blocks(powers: &[u128; FOLD_BLOCKS], acc: u128, bytes: &[u8]) -> u128 {
-        let powers = powers.map(to_m128);
+    pub(super) unsafe fn blocks(powers: &[u128; WIDE_BLOCKS], acc: u128, bytes: &[u8]) -> u128 {
+        let mut near = [to_m128(0); FOLD_BLOCKS];
+        for (m, &p) in near.iter_mut().zip(powers) {
+            *m = to_m128(p);
+        }
+        let powers = near;
         let mut s = to_m128(acc);
         let mut groups = bytes.chunks_exact(BLOCK_BYTES * FOLD_BLOCKS);
         for group in &mut groups {
@@ -277,6 +318,85 @@ mod clmul {
             };
         }
         from_m128(s)
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", kvtier_vpclmul))]
+#[allow(clippy::incompatible_msrv)] // Built only by Rust 1.89 or newer (build.rs).
+mod wide {
+    //! The VPCLMULQDQ path: 16 blocks per reduction, four per carry-less multiply.
+    use std::arch::x86_64::{
+        __m128i, __m512i, _mm256_castsi256_si128, _mm256_extracti128_si256, _mm256_xor_si256,
+        _mm512_castsi512_si256, _mm512_clmulepi64_epi128, _mm512_extracti64x4_epi64,
+        _mm512_loadu_si512, _mm512_xor_si512, _mm512_zextsi128_si512,
+    };
+
+    use super::clmul::{from_m128, reduce, to_m128};
+    use super::{BLOCK_BYTES, WIDE_BLOCKS};
+
+    /// The sum of a vector's four 128-bit lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    #[allow(unused_unsafe)]
+    unsafe fn lanes_sum(v: __m512i) -> __m128i {
+        // SAFETY: register operations only; the caller has the target features.
+        unsafe {
+            let half = _mm256_xor_si256(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+            std::arch::x86_64::_mm_xor_si128(
+                _mm256_castsi256_si128(half),
+                _mm256_extracti128_si256(half, 1),
+            )
+        }
+    }
+
+    /// Folds the whole groups of 16 blocks at the front of `bytes` into `acc`, as
+    /// `super::clmul::blocks` does 8 at a time; returns the new value and the bytes left (fewer
+    /// than 16 blocks).
+    ///
+    /// # Safety
+    ///
+    /// The CPU must have AVX-512F, VPCLMULQDQ, PCLMULQDQ and SSE4.1.
+    #[target_feature(enable = "avx512f,avx2,vpclmulqdq,pclmulqdq,sse4.1")]
+    pub(super) unsafe fn blocks<'a>(
+        powers: &[u128; WIDE_BLOCKS],
+        acc: u128,
+        bytes: &'a [u8],
+    ) -> (u128, &'a [u8]) {
+        // Vector k multiplies blocks 4k+1..4k+4 of a group by H^(16-4k)..H^(13-4k): lane j of
+        // vector k holds H^(16 - 4k - j).
+        let mut h = [[0u128; 4]; 4];
+        for (k, vector) in h.iter_mut().enumerate() {
+            for (j, lane) in vector.iter_mut().enumerate() {
+                *lane = powers[WIDE_BLOCKS - 1 - 4 * k - j];
+            }
+        }
+        // SAFETY: each `[u128; 4]` is 64 readable bytes (unaligned load).
+        let h = h.map(|v| unsafe { _mm512_loadu_si512(v.as_ptr().cast()) });
+        let mut s: __m128i = to_m128(acc);
+        let mut groups = bytes.chunks_exact(BLOCK_BYTES * WIDE_BLOCKS);
+        for group in &mut groups {
+            // SAFETY: the caller has the target features; each load reads 64 of the group's
+            // 256 bytes (unaligned loads).
+            s = unsafe {
+                let at = group.as_ptr();
+                let x = [0usize, 1, 2, 3].map(|k| _mm512_loadu_si512(at.add(64 * k).cast()));
+                let first = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(s));
+                let mut lo = _mm512_clmulepi64_epi128(first, h[0], 0x00);
+                let mut hi = _mm512_clmulepi64_epi128(first, h[0], 0x11);
+                let mut mid = _mm512_xor_si512(
+                    _mm512_clmulepi64_epi128(first, h[0], 0x01),
+                    _mm512_clmulepi64_epi128(first, h[0], 0x10),
+                );
+                for k in 1..4 {
+                    lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(x[k], h[k], 0x00));
+                    hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(x[k], h[k], 0x11));
+                    mid = _mm512_xor_si512(mid, _mm512_clmulepi64_epi128(x[k], h[k], 0x01));
+                    mid = _mm512_xor_si512(mid, _mm512_clmulepi64_epi128(x[k], h[k], 0x10));
+                }
+                reduce(lanes_sum(lo), lanes_sum(mid), lanes_sum(hi))
+            };
+        }
+        (from_m128(s), groups.remainder())
     }
 }
 
@@ -366,12 +486,23 @@ mod tests {
         let key = PolyvalKey::new(hex16("0123456789abcdeffedcba9876543210"));
         let mut soft = key.clone();
         soft.force_portable();
+        let mut narrow = key.clone();
+        narrow.force_narrow();
+        eprintln!(
+            "POLYVAL paths on this CPU: PCLMULQDQ {}, VPCLMULQDQ {}",
+            key.clmul, key.wide
+        );
         for len in [
-            0, 1, 15, 16, 17, 127, 128, 129, 255, 256, 1000, 4096, 70_001,
+            0, 1, 15, 16, 17, 127, 128, 129, 255, 256, 257, 383, 1000, 4096, 70_001,
         ] {
             let message = bytes(len, len as u64 + 3);
             let expected = soft.hash(&message);
             assert_eq!(key.hash(&message), expected, "length {len}");
+            assert_eq!(
+                narrow.hash(&message),
+                expected,
+                "length {len}, PCLMULQDQ path"
+            );
             for piece in [1, 5, 16, 33, 128, 1000] {
                 let mut streamed = Polyval::new(key.clone());
                 for part in message.chunks(piece) {
