@@ -18,9 +18,9 @@
 //! way it moves a best-of. With the `nixl` feature and `nixl` set, a second fetching instance
 //! moves the same chunks by NIXL READ (row op `"fetch-nixl"`, same ceiling). With `keyed` set,
 //! a second publisher and fetcher pair that share a secret moves them too (row op
-//! `"fetch-keyed"`, same ceiling): every DATA payload then carries a keyed BLAKE3 tag, as
-//! between hosts, where a secret is required (the server keys each tag over the chunk's BLAKE3
-//! digest, kept since publish; the client hashes each received payload); the plain rows use
+//! `"fetch-keyed"`, same ceiling): every DATA payload then carries a keyed tag, as between
+//! hosts, where a secret is required (the server keys each tag over the chunk's POLYVAL digest,
+//! kept since publish; the client hashes each received payload); the plain rows use
 //! the xxh3 checksum of loopback without one.
 //!
 //! Each row also has the CPU time the process spent per GiB moved ([`CpuPerGib`]), on the path

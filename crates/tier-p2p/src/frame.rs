@@ -23,9 +23,11 @@
 //! A chunk's tag (DATA, PUT, each chunk of NIXL_OFFER) is the xxh3-64 of its bytes when the
 //! connection has no shared secret (loopback only); with one, it is the first 8 bytes
 //! (little-endian) of keyed BLAKE3 under the connection's session key over `u8 frame kind | u128
-//! key hash | u32 key group | 32-byte unkeyed BLAKE3 of the bytes` (see `auth::ChunkAuth`). The
-//! digest itself is not sent: the receiver hashes the bytes it received and keys the tag over
-//! that; the sender keeps each chunk's digest, so it tags a send without hashing the bytes.
+//! key hash | u32 key group | u64 byte count | 16-byte POLYVAL of the bytes` (RFC 8452, the
+//! bytes zero-padded to whole blocks, under the hash key that `auth::hash_key` derives from the
+//! secret and the namespace; see `auth::ChunkAuth`). The digest itself is not sent: the receiver
+//! hashes the bytes it received and keys the tag over that; the sender keeps each chunk's
+//! digest, so it tags a send without hashing the bytes.
 //!
 //! A GET is answered by one DATA frame per requested key that the server holds, in request
 //! order, then END; keys without a DATA frame are not held. A NIXL_GET is answered by one NIXL_OFFER:
@@ -46,10 +48,12 @@ use thiserror::Error;
 /// added NIXL_GET, NIXL_OFFER and NIXL_DONE; version 3 added PUT; version 4 tags chunks with
 /// the session key when a secret is set, and HELLO carries no namespace then; version 5 has
 /// 128-bit key hashes (every key 20 bytes, DATA and PUT prefixes 28) and keys the chunk tag over
-/// the payload's BLAKE3 digest instead of the payload (the sender keeps the digest). A peer of
-/// version 4 or earlier is refused by name of both versions: its 64-bit keys cannot name our
-/// chunks.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// the payload's BLAKE3 digest instead of the payload (the sender keeps the digest); version 6
+/// keys it over the payload's length and POLYVAL digest under a hash key derived from the
+/// secret (half the receiver's CPU per byte of BLAKE3's). A peer of another version is refused
+/// by name of both versions (of version 4 or earlier: its 64-bit keys cannot name our chunks; of
+/// version 5: its keyed tags cannot verify here).
+pub const PROTOCOL_VERSION: u16 = 6;
 /// The first bytes of every HELLO body.
 pub const MAGIC: [u8; 4] = *b"KVP2";
 /// Bytes of a frame header: body length (4) and kind (1).

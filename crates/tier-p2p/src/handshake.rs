@@ -16,6 +16,7 @@ use crate::auth::{self, ChunkAuth, Role};
 use crate::conn::Conn;
 use crate::error::P2pError;
 use crate::frame::{Frame, FrameError, Hello};
+use crate::polyval::PolyvalKey;
 
 /// What a side proves and checks: its namespace and, if configured, the shared secret.
 #[derive(Clone)]
@@ -24,6 +25,31 @@ pub(crate) struct Identity {
     pub(crate) namespace: Vec<u8>,
     /// The shared secret.
     pub(crate) secret: Option<Vec<u8>>,
+    /// With a secret, its hash key for chunk digests ([`auth::hash_key`]), derived once.
+    pub(crate) hash_key: Option<PolyvalKey>,
+}
+
+impl Identity {
+    /// The identity of `namespace`, with `secret` if any.
+    pub(crate) fn new(namespace: Vec<u8>, secret: Option<Vec<u8>>) -> Self {
+        let hash_key = secret.as_deref().map(|s| auth::hash_key(s, &namespace));
+        Self {
+            namespace,
+            secret,
+            hash_key,
+        }
+    }
+
+    /// Keyed chunk tags under `session` (`secret` is ours: the hash key is derived once).
+    fn chunk_auth(&self, session: [u8; 32], secret: &[u8]) -> ChunkAuth {
+        match &self.hash_key {
+            Some(hash_key) => ChunkAuth::Keyed {
+                session,
+                hash_key: hash_key.clone(),
+            },
+            None => ChunkAuth::keyed(session, secret, &self.namespace),
+        }
+    }
 }
 
 /// Sends a best-effort ERROR explaining the refusal, and returns the refusal.
@@ -60,10 +86,10 @@ fn version_refusal(conn: &mut Conn, error: P2pError) -> P2pError {
             conn,
             format!(
                 "protocol version mismatch: peer speaks {found}, we speak {expected}{}",
-                if found < 5 {
-                    " (versions before 5 have 64-bit chunk keys; upgrade the peer)"
-                } else {
-                    ""
+                match found {
+                    0..=4 => " (versions before 5 have 64-bit chunk keys; upgrade the peer)",
+                    5 => " (version 5 keys chunk tags over another digest; upgrade the peer)",
+                    _ => "",
                 }
             ),
         ),
@@ -190,7 +216,7 @@ pub(crate) fn client(conn: &mut Conn, ours: &Identity, timeout: Duration) -> Res
         ));
     }
     let session = auth::session_key(secret, &our_nonce, &theirs.nonce, &ours.namespace);
-    conn.set_chunk_auth(ChunkAuth::Keyed(session));
+    conn.set_chunk_auth(ours.chunk_auth(session, secret));
     Ok(())
 }
 
@@ -223,6 +249,6 @@ pub(crate) fn server(conn: &mut Conn, ours: &Identity, timeout: Duration) -> Res
     let proof = auth::prove(secret, Role::Server, &theirs.nonce, &ours.namespace);
     conn.send(&Frame::Auth(proof), "send AUTH")?;
     let session = auth::session_key(secret, &theirs.nonce, &our_nonce, &ours.namespace);
-    conn.set_chunk_auth(ChunkAuth::Keyed(session));
+    conn.set_chunk_auth(ours.chunk_auth(session, secret));
     Ok(())
 }

@@ -40,6 +40,7 @@ mod lookup;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod peer;
+mod polyval;
 mod server;
 mod settle;
 mod shared;

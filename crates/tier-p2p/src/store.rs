@@ -1,5 +1,5 @@
 //! The published-chunk store: the bytes this instance serves to its peers, each with the xxh3
-//! checksum computed when it was published (and, for keyed tags, its BLAKE3 digest), bounded
+//! checksum computed when it was published (and, for keyed tags, its POLYVAL digest), bounded
 //! by a byte capacity with least-recently-used eviction.
 //!
 //! Why a copy and not the host pool's slots: the host pool reuses a slot as soon as its chunk is
@@ -20,6 +20,7 @@ use std::sync::{Arc, OnceLock};
 use offload_core::ChunkKey;
 
 use crate::auth::{digest, DIGEST_BYTES};
+use crate::polyval::PolyvalKey;
 
 /// One published chunk.
 #[derive(Debug)]
@@ -32,9 +33,10 @@ pub(crate) struct PublishedChunk {
     pub(crate) bytes: Box<[u8]>,
     /// xxh3-64 of `bytes`, computed when it was published.
     pub(crate) checksum: u64,
-    /// The unkeyed BLAKE3 of `bytes` that keyed tags bind ([`crate::auth::ChunkAuth`]):
-    /// computed when it was published by an instance with a secret, else on first need.
-    digest: OnceLock<[u8; DIGEST_BYTES]>,
+    /// The digest of `bytes` that keyed tags bind ([`crate::auth::ChunkAuth`]) and the hash
+    /// key it is under: computed when it was published by an instance with a secret, else on
+    /// first need. (Every connection of one tier has the same hash key.)
+    digest: OnceLock<(PolyvalKey, [u8; DIGEST_BYTES])>,
 }
 
 impl PublishedChunk {
@@ -49,9 +51,16 @@ impl PublishedChunk {
         }
     }
 
-    /// The unkeyed BLAKE3 digest of its bytes, computed on the first call.
-    pub(crate) fn digest(&self) -> &[u8; DIGEST_BYTES] {
-        self.digest.get_or_init(|| digest(&self.bytes))
+    /// The digest of its bytes under `key`, kept from the first call (computed again, not kept,
+    /// under another key, which no connection of one tier has).
+    pub(crate) fn digest(&self, key: &PolyvalKey) -> [u8; DIGEST_BYTES] {
+        let (kept_key, kept) = self
+            .digest
+            .get_or_init(|| (key.clone(), digest(key, &self.bytes)));
+        match kept_key.same_as(key) {
+            true => *kept,
+            false => digest(key, &self.bytes),
+        }
     }
 }
 

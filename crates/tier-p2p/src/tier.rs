@@ -184,10 +184,7 @@ impl P2pTier {
     ) -> Result<Self, P2pError> {
         let slot_bytes = memory.slot_bytes();
         let shared = Arc::new(Shared {
-            identity: Identity {
-                namespace: config.namespace.as_bytes().to_vec(),
-                secret: config.secret.clone(),
-            },
+            identity: Identity::new(config.namespace.as_bytes().to_vec(), config.secret.clone()),
             store: Mutex::new(PublishedStore::new(config.published_bytes_max)),
             counters: Counters::default(),
             strict: std::sync::atomic::AtomicBool::new(offload_core::invariant::STRICT_DEFAULT),

@@ -202,9 +202,9 @@ fn publish(
         memory.read_slot(slot, 0, &mut bytes);
         let sum = checksum(&bytes);
         let chunk = PublishedChunk::new(bytes, sum);
-        if shared.config.secret.is_some() {
+        if let Some(hash_key) = &shared.identity.hash_key {
             // Keyed tags bind the digest: hash once here, not on every send.
-            chunk.digest();
+            chunk.digest(hash_key);
         }
         match lock(&shared.store).insert(key, chunk) {
             Ok(evicted) => add(&shared.counters.evictions, evicted as u64),

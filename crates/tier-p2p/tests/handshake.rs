@@ -211,23 +211,46 @@ fn server_refuses_another_protocol_version() {
 
 /// A HELLO of protocol version 4, the last one with 64-bit keys.
 fn version_4_hello() -> Vec<u8> {
+    hello_of_version(4)
+}
+
+/// A HELLO of protocol `version`.
+fn hello_of_version(version: u16) -> Vec<u8> {
     let mut hello = Vec::new();
     Raw::hello(common::namespace().as_bytes(), false).encode(&mut hello);
     // The version follows the 4-byte magic.
-    hello[HEADER_BYTES + 4..HEADER_BYTES + 6].copy_from_slice(&4u16.to_le_bytes());
+    hello[HEADER_BYTES + 4..HEADER_BYTES + 6].copy_from_slice(&version.to_le_bytes());
     hello
 }
 
 #[test]
+fn server_refuses_a_version_5_peer_whose_keyed_tags_differ() {
+    assert_eq!(PROTOCOL_VERSION, 6, "this test names the versions");
+    let a = publisher(|_| {});
+    let mut raw = Raw::connect(a.local_addr());
+    raw.send_bytes(&hello_of_version(5));
+    let errors = raw.errors_until_closed();
+    assert!(
+        errors.iter().any(|e| e.contains(
+            "protocol version mismatch: peer speaks 5, we speak 6 (version 5 keys chunk tags"
+        )),
+        "{errors:?}"
+    );
+    common::eventually("server counts the refusal", WAIT, || {
+        server_refusals(&a) >= 1
+    });
+}
+
+#[test]
 fn server_refuses_a_version_4_peer_with_64_bit_keys() {
-    assert_eq!(PROTOCOL_VERSION, 5, "this test names the versions");
+    assert_eq!(PROTOCOL_VERSION, 6, "this test names the versions");
     let a = publisher(|_| {});
     let mut raw = Raw::connect(a.local_addr());
     raw.send_bytes(&version_4_hello());
     let errors = raw.errors_until_closed();
     assert!(
         errors.iter().any(|e| e.contains(
-            "protocol version mismatch: peer speaks 4, we speak 5 (versions before 5 have 64-bit chunk keys"
+            "protocol version mismatch: peer speaks 4, we speak 6 (versions before 5 have 64-bit chunk keys"
         )),
         "{errors:?}"
     );
@@ -254,12 +277,12 @@ fn client_refuses_a_version_4_server() {
         c.backoff_initial = Duration::from_secs(5);
         c.backoff_max = Duration::from_secs(5);
     });
-    expect_refused(&mut b, "peer speaks 4, we speak 5");
+    expect_refused(&mut b, "peer speaks 4, we speak 6");
     let errors = server.join().expect("fake server");
     assert!(
         errors
             .iter()
-            .any(|e| e.contains("peer speaks 4, we speak 5")),
+            .any(|e| e.contains("peer speaks 4, we speak 6")),
         "the client tells the server why: {errors:?}"
     );
 }
