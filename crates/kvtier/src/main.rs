@@ -117,7 +117,7 @@ struct P2pArgs {
     #[arg(long, value_name = "N", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=1000))]
     rounds: u64,
     /// Also measure instances that share a secret (row op fetch-keyed): every DATA payload
-    /// carries a keyed BLAKE3 tag, as between hosts.
+    /// carries a keyed tag (BLAKE3 over a keyed POLYVAL of the payload), as between hosts.
     #[arg(long)]
     keyed: bool,
 }

@@ -347,6 +347,8 @@ impl Client {
     fn lookup(&mut self, keys: Vec<ChunkKey>) -> LookupAnswer {
         let deadline = Instant::now() + self.shared.config.lookup_deadline;
         let mut holders = vec![None; keys.len()];
+        // Peers asked about each key (its HAVE fan-out), for `lookup_peers_per_key_max`.
+        let mut fan_out = vec![0u8; keys.len()];
         let mut asks: Vec<Vec<usize>> = vec![Vec::new(); self.peers.len()];
         for (i, &key) in keys.iter().enumerate() {
             for p in self.owners_of(key) {
@@ -380,6 +382,11 @@ impl Client {
             add(&counters.have_requests, asked.len() as u64);
             let asked_keys: usize = asked.iter().map(|(_, batch)| batch.len()).sum();
             add(&counters.lookup_keys_asked, asked_keys as u64);
+            for &(_, batch) in &asked {
+                for &i in batch {
+                    fan_out[i] = fan_out[i].saturating_add(1);
+                }
+            }
             for (p, batch) in asked {
                 match recv_have_reply(self.conn(p), batch.len()) {
                     Ok(held) => {
@@ -392,6 +399,11 @@ impl Client {
                 }
             }
         }
+        let widest = fan_out.iter().copied().max().unwrap_or(0);
+        self.shared
+            .counters
+            .lookup_peers_per_key_max
+            .fetch_max(u64::from(widest), std::sync::atomic::Ordering::Relaxed);
         LookupAnswer { keys, holders }
     }
 

@@ -19,6 +19,9 @@ pub struct P2pStats {
     pub have_requests: u64,
     /// Keys sent to peers in HAVE requests (one per key and peer).
     pub lookup_keys_asked: u64,
+    /// The most peers any one key was asked about in one lookup (its HAVE fan-out): at most
+    /// `owners` with a directory, every other member with `owners = 0`.
+    pub lookup_peers_per_key_max: u64,
     /// Lookups answered `Hit` from a peer's reply.
     pub lookup_hits: u64,
     /// Lookups answered `Miss` from the peers' replies.
@@ -79,6 +82,7 @@ pub(crate) struct Counters {
     pub(crate) evictions: AtomicU64,
     pub(crate) have_requests: AtomicU64,
     pub(crate) lookup_keys_asked: AtomicU64,
+    pub(crate) lookup_peers_per_key_max: AtomicU64,
     pub(crate) lookup_hits: AtomicU64,
     pub(crate) lookup_misses: AtomicU64,
     pub(crate) lookup_timeouts: AtomicU64,
@@ -127,6 +131,7 @@ impl Counters {
             evictions: get(&self.evictions),
             have_requests: get(&self.have_requests),
             lookup_keys_asked: get(&self.lookup_keys_asked),
+            lookup_peers_per_key_max: get(&self.lookup_peers_per_key_max),
             lookup_hits: get(&self.lookup_hits),
             lookup_misses: get(&self.lookup_misses),
             lookup_timeouts: get(&self.lookup_timeouts),

@@ -203,6 +203,7 @@ fn run(trace: &[Request], owners: usize) -> Run {
         let s = tier.stats();
         let t = &mut run.stats;
         t.lookup_keys_asked += s.lookup_keys_asked;
+        t.lookup_peers_per_key_max = t.lookup_peers_per_key_max.max(s.lookup_peers_per_key_max);
         t.have_requests += s.have_requests;
         t.lookup_hits += s.lookup_hits;
         t.lookup_timeouts += s.lookup_timeouts;
@@ -274,6 +275,18 @@ fn owner_lookups_hit_within_five_percent_of_asking_every_peer() {
     assert!(
         everyone.stats.lookup_keys_asked > 3 * everyone.remote_lookups,
         "the reference run must ask every peer: {everyone:?}"
+    );
+    // And per key, in every single lookup of every instance: at most its 2 owners (the bound
+    // asked for is 3), where the reference run asks each key of all 15 other members.
+    assert!(
+        (1..=2).contains(&owners.stats.lookup_peers_per_key_max),
+        "a key was asked of {} peers in one lookup",
+        owners.stats.lookup_peers_per_key_max
+    );
+    assert_eq!(
+        everyone.stats.lookup_peers_per_key_max,
+        INSTANCES as u64 - 1,
+        "{everyone:?}"
     );
     let gap = (everyone.hit_rate() - owners.hit_rate()).abs();
     assert!(
