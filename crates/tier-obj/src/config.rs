@@ -124,6 +124,10 @@ pub struct ObjTierConfig {
     pub request_deadline: Duration,
     /// The deadline of the start-up listing that rebuilds the index.
     pub list_deadline: Duration,
+    /// How long `Tier::drain` waits for the jobs in flight (a store that stopped answering);
+    /// past it, `drain` returns with those jobs still in flight (their slots still theirs),
+    /// reported by a later `poll`, and counts it (`ObjStats::drain_timeouts`).
+    pub drain_deadline: Duration,
     /// Records of more bytes than this are uploaded in parts (S3 needs at least 5 MiB per part).
     pub multipart_threshold_bytes: usize,
     /// Bytes per part of a multipart upload (the last part may be shorter). S3 refuses parts
@@ -143,6 +147,7 @@ impl ObjTierConfig {
             requests_in_flight_max: 16,
             request_deadline: Duration::from_secs(30),
             list_deadline: Duration::from_secs(60),
+            drain_deadline: Duration::from_secs(30),
             multipart_threshold_bytes: 8 << 20,
             part_bytes: 8 << 20,
             runtime_threads: 2,
@@ -168,8 +173,14 @@ impl ObjTierConfig {
         if self.runtime_threads == 0 {
             return bad("runtime_threads must be at least 1");
         }
-        if self.request_deadline.is_zero() || self.list_deadline.is_zero() {
-            return bad("deadlines must be positive");
+        for (name, deadline) in [
+            ("request_deadline", self.request_deadline),
+            ("list_deadline", self.list_deadline),
+            ("drain_deadline", self.drain_deadline),
+        ] {
+            if deadline.is_zero() {
+                return bad(&format!("{name} must be positive"));
+            }
         }
         Ok(())
     }

@@ -22,4 +22,4 @@ pub mod tier;
 pub use config::{Backend, NamespaceId, ObjTierConfig, S3Config};
 pub use error::{ObjError, ObjErrorKind};
 pub use object_store;
-pub use tier::{ObjStats, ObjTier};
+pub use tier::{ObjStats, ObjTier, EVICTED_KEPT_MAX};
