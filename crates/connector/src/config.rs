@@ -235,6 +235,10 @@ pub struct ObjTierSpec {
     /// Deadline of the start-up listing, in milliseconds (default 60000).
     #[serde(default)]
     pub list_deadline_ms: Option<u64>,
+    /// How long a drain waits for the tier's jobs, in milliseconds (default 30000); past it the
+    /// jobs stay in flight and are reported when they complete.
+    #[serde(default)]
+    pub drain_deadline_ms: Option<u64>,
     /// Records larger than this go up in parts (default 8 MiB).
     #[serde(default)]
     pub multipart_threshold_bytes: Option<usize>,
@@ -841,9 +845,11 @@ fn check_obj(key: &dyn Fn(&str) -> String, obj: &ObjTierSpec) -> Result<(), Conf
     for (field, v) in [
         ("request_deadline_ms", obj.request_deadline_ms),
         ("list_deadline_ms", obj.list_deadline_ms),
+        ("drain_deadline_ms", obj.drain_deadline_ms),
     ] {
-        if v == Some(0) {
-            return Err(invalid(key(field), "must be at least 1"));
+        if let Some(ms) = v {
+            // The same range as the top-level deadline keys (`deadline_ns`).
+            deadline_ns(&key(field), Some(ms), 1)?;
         }
     }
     Ok(())
@@ -986,6 +992,7 @@ impl ResolvedConfig {
                 .unwrap_or(defaults.jobs_in_flight_max),
             request_deadline: ms(spec.request_deadline_ms, defaults.request_deadline),
             list_deadline: ms(spec.list_deadline_ms, defaults.list_deadline),
+            drain_deadline: ms(spec.drain_deadline_ms, defaults.drain_deadline),
             multipart_threshold_bytes: spec
                 .multipart_threshold_bytes
                 .unwrap_or(defaults.multipart_threshold_bytes),

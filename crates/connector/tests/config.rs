@@ -263,8 +263,8 @@ fn an_object_tier_entry_resolves_with_its_settings() {
         "s3://kv-cache.bucket",
         ", prefix = \"kv/a\", endpoint = \"http://127.0.0.1:9000\", allow_http = true, \
          region = \"eu-west-1\", requests_in_flight_max = 8, jobs_in_flight_max = 32, \
-         request_deadline_ms = 5000, list_deadline_ms = 9000, multipart_threshold_bytes = \
-         16777216, part_bytes = 8388608",
+         request_deadline_ms = 5000, list_deadline_ms = 9000, drain_deadline_ms = 7000, \
+         multipart_threshold_bytes = 16777216, part_bytes = 8388608",
     );
     let r = ConnectorConfig::from_toml_str(&text)
         .and_then(|c| c.resolve(&engine()))
@@ -281,6 +281,7 @@ fn an_object_tier_entry_resolves_with_its_settings() {
     assert_eq!(obj.prefix, "kv/a");
     assert_eq!(obj.requests_in_flight_max, Some(8));
     assert_eq!(obj.request_deadline_ms, Some(5000));
+    assert_eq!(obj.drain_deadline_ms, Some(7000));
     for url in ["file:///var/kv", "memory:"] {
         assert!(ConnectorConfig::from_toml_str(&obj_config(url, ""))
             .and_then(|c| c.resolve(&engine()))
@@ -337,11 +338,22 @@ fn bad_object_tier_values_are_named() {
         "part_bytes",
         "request_deadline_ms",
         "list_deadline_ms",
+        "drain_deadline_ms",
     ] {
         assert_eq!(
             key("s3://bucket", &format!(", {field} = 0")),
             format!("secondary_tiers[0].{field}")
         );
+    }
+    // Deadlines share the top-level keys' range: at most a day, the error naming the key.
+    for field in [
+        "request_deadline_ms",
+        "list_deadline_ms",
+        "drain_deadline_ms",
+    ] {
+        let text = obj_config("s3://bucket", &format!(", {field} = 86400001"));
+        assert_eq!(invalid_key(&text), format!("secondary_tiers[0].{field}"));
+        assert!(error(&text).contains("more than a day"), "{}", error(&text));
     }
     // No capacity key: the object tier does not evict.
     let msg = error(&obj_config("s3://bucket", ", capacity_bytes = 1048576"));
