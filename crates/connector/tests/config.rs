@@ -289,6 +289,102 @@ fn an_object_tier_entry_resolves_with_its_settings() {
     }
 }
 
+/// `gs://bucket` and `az://container` parse to their locations; an Azure entry takes an
+/// endpoint (an emulator's, plain HTTP with allow_http), a GCS entry neither endpoint nor
+/// allow_http, and neither takes a region.
+#[test]
+fn gcs_and_azure_object_tier_urls_parse() {
+    let location = |url: &str, fields: &str| {
+        let r = ConnectorConfig::from_toml_str(&obj_config(url, fields))
+            .and_then(|c| c.resolve(&engine()))
+            .expect("valid");
+        let Some(TierSpec::Obj(obj)) = r.tiers[0].builtin() else {
+            panic!("expected an obj tier, got {:?}", r.tiers[0]);
+        };
+        obj.location()
+    };
+    use connector::config::ObjLocation;
+    for (url, bucket) in [("gs://kv-cache_1.b", "kv-cache_1.b"), ("gs://abc/", "abc")] {
+        assert_eq!(
+            location(url, ""),
+            Ok(ObjLocation::Gcs {
+                bucket: bucket.to_owned()
+            })
+        );
+    }
+    assert_eq!(
+        location(
+            "az://kv-cache-01",
+            ", endpoint = \"http://127.0.0.1:10000/devstoreaccount1\", allow_http = true"
+        ),
+        Ok(ObjLocation::Azure {
+            container: "kv-cache-01".to_owned()
+        })
+    );
+    assert_eq!(
+        location(
+            "az://abc/",
+            ", endpoint = \"https://acct.blob.core.windows.net\""
+        ),
+        Ok(ObjLocation::Azure {
+            container: "abc".to_owned()
+        })
+    );
+    let key = |url: &str, fields: &str| invalid_key(&obj_config(url, fields));
+    for url in [
+        "gs://",
+        "gs://ab",
+        "gs://Upper",
+        "gs://-abc",
+        "gs://abc-",
+        "gs://bucket/path",
+        "az://",
+        "az://ab",
+        "az://Upper",
+        "az://kv_cache",
+        "az://-abc",
+        "az://abc-",
+        "az://a--b",
+        "az://container/path",
+        "az://container@account",
+    ] {
+        assert_eq!(key(url, ""), "secondary_tiers[0].url", "url {url:?}");
+        let msg = error(&obj_config(url, ""));
+        assert!(msg.contains(url), "the error names the url: {msg}");
+    }
+    let msg = error(&obj_config("ftp://x", ""));
+    assert!(
+        msg.contains("gs://bucket") && msg.contains("az://container"),
+        "{msg}"
+    );
+    assert_eq!(
+        key("gs://bucket", ", endpoint = \"https://x\""),
+        "secondary_tiers[0].endpoint"
+    );
+    assert_eq!(
+        key("gs://bucket", ", allow_http = true"),
+        "secondary_tiers[0].allow_http"
+    );
+    for url in ["gs://bucket", "az://container"] {
+        assert_eq!(
+            key(url, ", region = \"eu-west-1\""),
+            "secondary_tiers[0].region"
+        );
+    }
+    assert_eq!(
+        key(
+            "az://container",
+            ", endpoint = \"http://127.0.0.1:10000/a\""
+        ),
+        "secondary_tiers[0].endpoint",
+        "plain HTTP needs allow_http"
+    );
+    assert_eq!(
+        key("az://container", ", endpoint = \"127.0.0.1:10000\""),
+        "secondary_tiers[0].endpoint"
+    );
+}
+
 #[test]
 fn bad_object_tier_values_are_named() {
     let key = |url: &str, fields: &str| invalid_key(&obj_config(url, fields));

@@ -1,6 +1,7 @@
 //! The object tier's own behaviour beyond the conformance suite: warm restart from a listing,
 //! damaged objects (never served, deleted, reported through `take_evicted`), request and drain
-//! deadlines, `Busy` and cancel of requests under way, and multipart uploads.
+//! deadlines, `Busy` and cancel of requests under way, multipart uploads, and the GCS and Azure
+//! backends' configuration.
 
 mod common;
 
@@ -15,7 +16,7 @@ use tier_obj::object_store::memory::InMemory;
 use tier_obj::object_store::path::Path;
 use tier_obj::object_store::throttle::{ThrottleConfig, ThrottledStore};
 use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use tier_obj::{Backend, ObjTier, ObjTierConfig};
+use tier_obj::{AzureConfig, Backend, GcsConfig, ObjTier, ObjTierConfig};
 use tier_testkit::VecSlotMemory;
 
 use common::{job, wait, wait_all};
@@ -504,4 +505,44 @@ fn a_zero_drain_deadline_is_refused_by_name() {
     };
     let err = ObjTier::start(config, store, mem).err().expect("refused");
     assert!(err.to_string().contains("drain_deadline"), "{err}");
+}
+
+/// The GCS and Azure clients build without a request; a missing bucket, container or account
+/// (none in the environment either) is an error naming the backend and what is missing.
+#[test]
+fn gcs_and_azure_clients_build_and_name_what_is_missing() {
+    let env_has = |name: &str| std::env::var_os(name).is_some();
+    let gcs = Backend::Gcs(GcsConfig {
+        bucket: Some("kvtier-bucket".to_owned()),
+    });
+    gcs.open().expect("a GCS client builds without a request");
+    if !env_has("GOOGLE_BUCKET") && !env_has("GOOGLE_BUCKET_NAME") {
+        let err = Backend::Gcs(GcsConfig::default())
+            .open()
+            .expect_err("no bucket");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("GCS client") && msg.contains("bucket"),
+            "{msg}"
+        );
+    }
+    let azure = |container: Option<&str>, endpoint: Option<&str>| {
+        Backend::Azure(AzureConfig {
+            container: container.map(str::to_owned),
+            endpoint: endpoint.map(str::to_owned),
+            allow_http: true,
+        })
+        .open()
+    };
+    if !env_has("AZURE_CONTAINER_NAME") {
+        let msg = azure(None, None).expect_err("no container").to_string();
+        assert!(
+            msg.contains("Azure client") && msg.contains("ontainer"),
+            "{msg}"
+        );
+    }
+    if !env_has("AZURE_STORAGE_ACCOUNT_NAME") && !env_has("AZURE_STORAGE_USE_EMULATOR") {
+        let msg = azure(Some("kv"), None).expect_err("no account").to_string();
+        assert!(msg.contains("az://kv") && msg.contains("ccount"), "{msg}");
+    }
 }
