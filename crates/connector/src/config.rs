@@ -200,27 +200,30 @@ pub struct P2pTierSpec {
     pub fetch_deadline_ms: Option<u64>,
 }
 
-/// An object-store tier entry (`type = "obj"`). Credentials are not part of the file: S3 reads
-/// them (and anything left unset here) from the usual `AWS_*` environment variables.
+/// An object-store tier entry (`type = "obj"`). Credentials are not part of the file: S3, GCS
+/// and Azure read them (and anything left unset here) from their usual environment variables
+/// (`AWS_*`, `GOOGLE_*`, `AZURE_*`; Azure's account name too).
 ///
 /// There is no capacity key: the object tier does not evict (a bucket's own lifecycle rules
 /// bound its size).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ObjTierSpec {
-    /// Where the objects live: `s3://bucket`, `file:///absolute/dir` (object_store's local
+    /// Where the objects live: `s3://bucket`, `gs://bucket` (Google Cloud Storage),
+    /// `az://container` (Azure Blob Storage), `file:///absolute/dir` (object_store's local
     /// file-system backend) or `memory:` (this process only; for tests).
     pub url: String,
     /// The key prefix under which this tier's namespaces live (default: none).
     #[serde(default)]
     pub prefix: String,
-    /// For S3-compatible servers (MinIO, ...): their endpoint URL.
+    /// For S3-compatible servers (MinIO, ...) and Azure emulators or private endpoints (Azurite:
+    /// `http://127.0.0.1:10000/devstoreaccount1`): their endpoint URL. `s3://` and `az://` only.
     #[serde(default)]
     pub endpoint: Option<String>,
     /// The S3 region (default: `AWS_REGION`, else `us-east-1`).
     #[serde(default)]
     pub region: Option<String>,
-    /// Allow a plain `http://` endpoint (default false: HTTPS only).
+    /// Allow a plain `http://` endpoint (default false: HTTPS only). `s3://` and `az://` only.
     #[serde(default)]
     pub allow_http: bool,
     /// Object requests in flight at once (default 16).
@@ -235,6 +238,10 @@ pub struct ObjTierSpec {
     /// Deadline of the start-up listing, in milliseconds (default 60000).
     #[serde(default)]
     pub list_deadline_ms: Option<u64>,
+    /// How long a drain waits for the tier's jobs, in milliseconds (default 30000); past it the
+    /// jobs stay in flight and are reported when they complete.
+    #[serde(default)]
+    pub drain_deadline_ms: Option<u64>,
     /// Records larger than this go up in parts (default 8 MiB).
     #[serde(default)]
     pub multipart_threshold_bytes: Option<usize>,
@@ -250,6 +257,16 @@ pub enum ObjLocation {
     S3 {
         /// The bucket.
         bucket: String,
+    },
+    /// `gs://bucket`.
+    Gcs {
+        /// The bucket.
+        bucket: String,
+    },
+    /// `az://container`.
+    Azure {
+        /// The container.
+        container: String,
     },
     /// `file:///dir`.
     Local {
@@ -283,6 +300,46 @@ impl ObjTierSpec {
                 bucket: bucket.to_owned(),
             });
         }
+        if let Some(rest) = url.strip_prefix("gs://") {
+            let bucket = rest.strip_suffix('/').unwrap_or(rest);
+            let edge_ok =
+                |b: Option<u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+            let ok = (3..=63).contains(&bucket.len())
+                && bucket
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-_.".contains(&b))
+                && edge_ok(bucket.bytes().next())
+                && edge_ok(bucket.bytes().last());
+            if !ok {
+                return Err(format!(
+                    "{url:?}: the GCS bucket must be 3-63 lower-case letters, digits, '-', '_' or \
+                     '.', beginning and ending with a letter or digit, with nothing after it"
+                ));
+            }
+            return Ok(ObjLocation::Gcs {
+                bucket: bucket.to_owned(),
+            });
+        }
+        if let Some(rest) = url.strip_prefix("az://") {
+            let container = rest.strip_suffix('/').unwrap_or(rest);
+            let ok = (3..=63).contains(&container.len())
+                && container
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !container.starts_with('-')
+                && !container.ends_with('-')
+                && !container.contains("--");
+            if !ok {
+                return Err(format!(
+                    "{url:?}: the Azure container must be 3-63 lower-case letters, digits or \
+                     single '-' between them, with nothing after it (the account comes from \
+                     AZURE_STORAGE_ACCOUNT_NAME)"
+                ));
+            }
+            return Ok(ObjLocation::Azure {
+                container: container.to_owned(),
+            });
+        }
         if let Some(path) = url.strip_prefix("file://") {
             if !path.starts_with('/') || path.len() < 2 {
                 return Err(format!(
@@ -294,7 +351,7 @@ impl ObjTierSpec {
             });
         }
         Err(format!(
-            "{url:?}: expected s3://bucket, file:///dir or memory:"
+            "{url:?}: expected s3://bucket, gs://bucket, az://container, file:///dir or memory:"
         ))
     }
 }
@@ -826,14 +883,18 @@ fn check_tier(i: usize, tier: &TierSpec, slot_bytes: u64) -> Result<(), ConfigEr
 
 fn check_obj(key: &dyn Fn(&str) -> String, obj: &ObjTierSpec) -> Result<(), ConfigError> {
     let location = obj.location().map_err(|e| invalid(key("url"), e))?;
-    if !matches!(location, ObjLocation::S3 { .. }) {
+    let s3 = matches!(location, ObjLocation::S3 { .. });
+    let azure = matches!(location, ObjLocation::Azure { .. });
+    if !s3 && obj.region.is_some() {
+        return Err(invalid(key("region"), "applies only to an s3:// url"));
+    }
+    if !s3 && !azure {
         for (field, set) in [
             ("endpoint", obj.endpoint.is_some()),
-            ("region", obj.region.is_some()),
             ("allow_http", obj.allow_http),
         ] {
             if set {
-                return Err(invalid(key(field), "applies only to an s3:// url"));
+                return Err(invalid(key(field), "applies only to an s3:// or az:// url"));
             }
         }
     }
@@ -870,9 +931,11 @@ fn check_obj(key: &dyn Fn(&str) -> String, obj: &ObjTierSpec) -> Result<(), Conf
     for (field, v) in [
         ("request_deadline_ms", obj.request_deadline_ms),
         ("list_deadline_ms", obj.list_deadline_ms),
+        ("drain_deadline_ms", obj.drain_deadline_ms),
     ] {
-        if v == Some(0) {
-            return Err(invalid(key(field), "must be at least 1"));
+        if let Some(ms) = v {
+            // The same range as the top-level deadline keys (`deadline_ns`).
+            deadline_ns(&key(field), Some(ms), 1)?;
         }
     }
     Ok(())
@@ -984,7 +1047,7 @@ impl ResolvedConfig {
         memory: Arc<dyn SlotMemory>,
     ) -> Result<Box<dyn Tier>, ConfigError> {
         use std::time::Duration;
-        use tier_obj::{Backend, NamespaceId, ObjTierConfig, S3Config};
+        use tier_obj::{AzureConfig, Backend, GcsConfig, NamespaceId, ObjTierConfig, S3Config};
         let bad = |field: &str, reason: String| invalid(format!("{key}.{field}"), reason);
         let backend = match spec.location().map_err(|e| bad("url", e))? {
             ObjLocation::Memory => Backend::Memory,
@@ -995,6 +1058,14 @@ impl ResolvedConfig {
                 region: spec.region.clone(),
                 allow_http: spec.allow_http,
                 ..S3Config::default()
+            }),
+            ObjLocation::Gcs { bucket } => Backend::Gcs(GcsConfig {
+                bucket: Some(bucket),
+            }),
+            ObjLocation::Azure { container } => Backend::Azure(AzureConfig {
+                container: Some(container),
+                endpoint: spec.endpoint.clone(),
+                allow_http: spec.allow_http,
             }),
         };
         let e = &self.engine;
@@ -1015,6 +1086,7 @@ impl ResolvedConfig {
                 .unwrap_or(defaults.jobs_in_flight_max),
             request_deadline: ms(spec.request_deadline_ms, defaults.request_deadline),
             list_deadline: ms(spec.list_deadline_ms, defaults.list_deadline),
+            drain_deadline: ms(spec.drain_deadline_ms, defaults.drain_deadline),
             multipart_threshold_bytes: spec
                 .multipart_threshold_bytes
                 .unwrap_or(defaults.multipart_threshold_bytes),

@@ -263,8 +263,8 @@ fn an_object_tier_entry_resolves_with_its_settings() {
         "s3://kv-cache.bucket",
         ", prefix = \"kv/a\", endpoint = \"http://127.0.0.1:9000\", allow_http = true, \
          region = \"eu-west-1\", requests_in_flight_max = 8, jobs_in_flight_max = 32, \
-         request_deadline_ms = 5000, list_deadline_ms = 9000, multipart_threshold_bytes = \
-         16777216, part_bytes = 8388608",
+         request_deadline_ms = 5000, list_deadline_ms = 9000, drain_deadline_ms = 7000, \
+         multipart_threshold_bytes = 16777216, part_bytes = 8388608",
     );
     let r = ConnectorConfig::from_toml_str(&text)
         .and_then(|c| c.resolve(&engine()))
@@ -281,11 +281,108 @@ fn an_object_tier_entry_resolves_with_its_settings() {
     assert_eq!(obj.prefix, "kv/a");
     assert_eq!(obj.requests_in_flight_max, Some(8));
     assert_eq!(obj.request_deadline_ms, Some(5000));
+    assert_eq!(obj.drain_deadline_ms, Some(7000));
     for url in ["file:///var/kv", "memory:"] {
         assert!(ConnectorConfig::from_toml_str(&obj_config(url, ""))
             .and_then(|c| c.resolve(&engine()))
             .is_ok());
     }
+}
+
+/// `gs://bucket` and `az://container` parse to their locations; an Azure entry takes an
+/// endpoint (an emulator's, plain HTTP with allow_http), a GCS entry neither endpoint nor
+/// allow_http, and neither takes a region.
+#[test]
+fn gcs_and_azure_object_tier_urls_parse() {
+    let location = |url: &str, fields: &str| {
+        let r = ConnectorConfig::from_toml_str(&obj_config(url, fields))
+            .and_then(|c| c.resolve(&engine()))
+            .expect("valid");
+        let Some(TierSpec::Obj(obj)) = r.tiers[0].builtin() else {
+            panic!("expected an obj tier, got {:?}", r.tiers[0]);
+        };
+        obj.location()
+    };
+    use connector::config::ObjLocation;
+    for (url, bucket) in [("gs://kv-cache_1.b", "kv-cache_1.b"), ("gs://abc/", "abc")] {
+        assert_eq!(
+            location(url, ""),
+            Ok(ObjLocation::Gcs {
+                bucket: bucket.to_owned()
+            })
+        );
+    }
+    assert_eq!(
+        location(
+            "az://kv-cache-01",
+            ", endpoint = \"http://127.0.0.1:10000/devstoreaccount1\", allow_http = true"
+        ),
+        Ok(ObjLocation::Azure {
+            container: "kv-cache-01".to_owned()
+        })
+    );
+    assert_eq!(
+        location(
+            "az://abc/",
+            ", endpoint = \"https://acct.blob.core.windows.net\""
+        ),
+        Ok(ObjLocation::Azure {
+            container: "abc".to_owned()
+        })
+    );
+    let key = |url: &str, fields: &str| invalid_key(&obj_config(url, fields));
+    for url in [
+        "gs://",
+        "gs://ab",
+        "gs://Upper",
+        "gs://-abc",
+        "gs://abc-",
+        "gs://bucket/path",
+        "az://",
+        "az://ab",
+        "az://Upper",
+        "az://kv_cache",
+        "az://-abc",
+        "az://abc-",
+        "az://a--b",
+        "az://container/path",
+        "az://container@account",
+    ] {
+        assert_eq!(key(url, ""), "secondary_tiers[0].url", "url {url:?}");
+        let msg = error(&obj_config(url, ""));
+        assert!(msg.contains(url), "the error names the url: {msg}");
+    }
+    let msg = error(&obj_config("ftp://x", ""));
+    assert!(
+        msg.contains("gs://bucket") && msg.contains("az://container"),
+        "{msg}"
+    );
+    assert_eq!(
+        key("gs://bucket", ", endpoint = \"https://x\""),
+        "secondary_tiers[0].endpoint"
+    );
+    assert_eq!(
+        key("gs://bucket", ", allow_http = true"),
+        "secondary_tiers[0].allow_http"
+    );
+    for url in ["gs://bucket", "az://container"] {
+        assert_eq!(
+            key(url, ", region = \"eu-west-1\""),
+            "secondary_tiers[0].region"
+        );
+    }
+    assert_eq!(
+        key(
+            "az://container",
+            ", endpoint = \"http://127.0.0.1:10000/a\""
+        ),
+        "secondary_tiers[0].endpoint",
+        "plain HTTP needs allow_http"
+    );
+    assert_eq!(
+        key("az://container", ", endpoint = \"127.0.0.1:10000\""),
+        "secondary_tiers[0].endpoint"
+    );
 }
 
 #[test]
@@ -337,11 +434,22 @@ fn bad_object_tier_values_are_named() {
         "part_bytes",
         "request_deadline_ms",
         "list_deadline_ms",
+        "drain_deadline_ms",
     ] {
         assert_eq!(
             key("s3://bucket", &format!(", {field} = 0")),
             format!("secondary_tiers[0].{field}")
         );
+    }
+    // Deadlines share the top-level keys' range: at most a day, the error naming the key.
+    for field in [
+        "request_deadline_ms",
+        "list_deadline_ms",
+        "drain_deadline_ms",
+    ] {
+        let text = obj_config("s3://bucket", &format!(", {field} = 86400001"));
+        assert_eq!(invalid_key(&text), format!("secondary_tiers[0].{field}"));
+        assert!(error(&text).contains("more than a day"), "{}", error(&text));
     }
     // No capacity key: the object tier does not evict.
     let msg = error(&obj_config("s3://bucket", ", capacity_bytes = 1048576"));

@@ -6,6 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::memory::InMemory;
 use object_store::ObjectStore;
@@ -43,6 +45,32 @@ pub struct S3Config {
     pub allow_http: bool,
 }
 
+/// A Google Cloud Storage bucket. Credentials come only from the environment, as object_store's
+/// `GoogleCloudStorageBuilder::from_env` reads them (`GOOGLE_SERVICE_ACCOUNT` or
+/// `GOOGLE_SERVICE_ACCOUNT_KEY`, else application default credentials or the instance's
+/// metadata server); `None` fields too (`GOOGLE_BUCKET`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcsConfig {
+    /// The bucket (must exist).
+    pub bucket: Option<String>,
+}
+
+/// An Azure Blob Storage container. The account and its credentials come only from the
+/// environment, as object_store's `MicrosoftAzureBuilder::from_env` reads them
+/// (`AZURE_STORAGE_ACCOUNT_NAME`, `AZURE_STORAGE_ACCOUNT_KEY`, a SAS token, a service
+/// principal, managed identity, ...); `None` fields too (`AZURE_CONTAINER_NAME`,
+/// `AZURE_STORAGE_ENDPOINT`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AzureConfig {
+    /// The container (must exist).
+    pub container: Option<String>,
+    /// The account's blob endpoint URL, for emulators and private endpoints (Azurite:
+    /// `http://127.0.0.1:10000/devstoreaccount1`); `None`: `https://<account>.blob.core.windows.net`.
+    pub endpoint: Option<String>,
+    /// Allow a plain `http://` endpoint (emulators); otherwise only HTTPS.
+    pub allow_http: bool,
+}
+
 /// Where the objects live.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -56,6 +84,10 @@ pub enum Backend {
     },
     /// An S3-compatible bucket.
     S3(S3Config),
+    /// A Google Cloud Storage bucket.
+    Gcs(GcsConfig),
+    /// An Azure Blob Storage container.
+    Azure(AzureConfig),
 }
 
 impl Backend {
@@ -73,7 +105,51 @@ impl Backend {
                 Ok(Arc::new(fs))
             }
             Backend::S3(s3) => s3_store(s3),
+            Backend::Gcs(gcs) => gcs_store(gcs),
+            Backend::Azure(azure) => azure_store(azure),
         }
+    }
+}
+
+/// A GCS client for `config`, with the `GOOGLE_*` environment variables as defaults.
+fn gcs_store(config: &GcsConfig) -> Result<Arc<dyn ObjectStore>, ObjError> {
+    let mut builder = GoogleCloudStorageBuilder::from_env();
+    if let Some(bucket) = &config.bucket {
+        builder = builder.with_bucket_name(bucket);
+    }
+    let store = builder.build().map_err(|e| ObjError::Config {
+        what: format!("GCS client for {}: {e}", describe("gs", &config.bucket)),
+    })?;
+    Ok(Arc::new(store))
+}
+
+/// An Azure Blob Storage client for `config`, with the `AZURE_*` environment variables as
+/// defaults.
+fn azure_store(config: &AzureConfig) -> Result<Arc<dyn ObjectStore>, ObjError> {
+    let mut builder = MicrosoftAzureBuilder::from_env();
+    if let Some(container) = &config.container {
+        builder = builder.with_container_name(container);
+    }
+    if let Some(endpoint) = &config.endpoint {
+        builder = builder.with_endpoint(endpoint.clone());
+    }
+    if config.allow_http {
+        builder = builder.with_allow_http(true);
+    }
+    let store = builder.build().map_err(|e| ObjError::Config {
+        what: format!(
+            "Azure client for {}: {e}",
+            describe("az", &config.container)
+        ),
+    })?;
+    Ok(Arc::new(store))
+}
+
+/// `scheme://name` for an error message, or what stands for a name taken from the environment.
+fn describe(scheme: &str, name: &Option<String>) -> String {
+    match name {
+        Some(name) => format!("{scheme}://{name}"),
+        None => format!("{scheme}:// (name from the environment)"),
     }
 }
 
@@ -124,6 +200,10 @@ pub struct ObjTierConfig {
     pub request_deadline: Duration,
     /// The deadline of the start-up listing that rebuilds the index.
     pub list_deadline: Duration,
+    /// How long `Tier::drain` waits for the jobs in flight (a store that stopped answering);
+    /// past it, `drain` returns with those jobs still in flight (their slots still theirs),
+    /// reported by a later `poll`, and counts it (`ObjStats::drain_timeouts`).
+    pub drain_deadline: Duration,
     /// Records of more bytes than this are uploaded in parts (S3 needs at least 5 MiB per part).
     pub multipart_threshold_bytes: usize,
     /// Bytes per part of a multipart upload (the last part may be shorter). S3 refuses parts
@@ -143,6 +223,7 @@ impl ObjTierConfig {
             requests_in_flight_max: 16,
             request_deadline: Duration::from_secs(30),
             list_deadline: Duration::from_secs(60),
+            drain_deadline: Duration::from_secs(30),
             multipart_threshold_bytes: 8 << 20,
             part_bytes: 8 << 20,
             runtime_threads: 2,
@@ -168,8 +249,14 @@ impl ObjTierConfig {
         if self.runtime_threads == 0 {
             return bad("runtime_threads must be at least 1");
         }
-        if self.request_deadline.is_zero() || self.list_deadline.is_zero() {
-            return bad("deadlines must be positive");
+        for (name, deadline) in [
+            ("request_deadline", self.request_deadline),
+            ("list_deadline", self.list_deadline),
+            ("drain_deadline", self.drain_deadline),
+        ] {
+            if deadline.is_zero() {
+                return bad(&format!("{name} must be positive"));
+            }
         }
         Ok(())
     }

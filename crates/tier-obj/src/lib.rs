@@ -19,7 +19,7 @@ pub mod error;
 pub mod record;
 pub mod tier;
 
-pub use config::{Backend, NamespaceId, ObjTierConfig, S3Config};
+pub use config::{AzureConfig, Backend, GcsConfig, NamespaceId, ObjTierConfig, S3Config};
 pub use error::{ObjError, ObjErrorKind};
 pub use object_store;
-pub use tier::{ObjStats, ObjTier};
+pub use tier::{ObjStats, ObjTier, EVICTED_KEPT_MAX};

@@ -1,13 +1,14 @@
 //! `ObjTier`: the [`Tier`] over an object store. The engine-facing calls only touch in-memory
-//! state (the index of present keys, the table of jobs in flight, a completion channel); each
-//! accepted job runs as a task on the tier's own small tokio runtime, one object request per
-//! chunk, at most `requests_in_flight_max` requests at once over all jobs, each with a deadline.
+//! state (the index of present keys, offload-core's [`JobBook`] of jobs in flight, a completion
+//! channel); each accepted job runs as a task on the tier's own small tokio runtime, one object
+//! request per chunk, at most `requests_in_flight_max` requests at once over all jobs, each with
+//! a deadline.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,7 +21,7 @@ use offload_core::tier::{
     FailedKey, SlotMemory, SubmitError, Tier, TierChunk, TierCompletion, TierFailure, TierJob,
     TierLookup, TierOp,
 };
-use offload_core::{ChunkKey, JobId, RequestId, SlotId};
+use offload_core::{ChunkKey, JobBook, JobId, RequestId, SlotId};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 
@@ -28,8 +29,14 @@ use crate::config::ObjTierConfig;
 use crate::error::ObjError;
 use crate::record::{self, file_bytes, FormatError};
 
-/// How long aborting a failed multipart upload or deleting a corrupt object may take.
+/// How long aborting a failed multipart upload or deleting a corrupt object may take; also how
+/// long dropping a tier whose drain gave up waits for the runtime's tasks to stop.
 const CLEANUP_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The most keys the tier keeps for [`Tier::take_evicted`] (keys it dropped by itself and not
+/// yet reported); beyond it the oldest are dropped unreported and counted (the count is what
+/// `take_evicted` returns, and [`ObjStats::evictions_unreported`]).
+pub const EVICTED_KEPT_MAX: usize = 1 << 16;
 
 /// The object name of `key` inside the namespace prefix: `<hash as 32 hex digits>-<group>`
 /// (record format version 3; version 2's objects, of 64-bit keys, had 16 digits).
@@ -90,6 +97,18 @@ pub struct ObjStats {
     pub bytes_stored: u64,
     /// Record bytes downloaded.
     pub bytes_loaded: u64,
+    /// Keys the tier dropped by itself (a corrupt object deleted, an object found missing) and
+    /// reported through `Tier::take_evicted`.
+    pub evictions_reported: u64,
+    /// Keys it dropped whose report was lost because more than [`EVICTED_KEPT_MAX`] waited.
+    pub evictions_unreported: u64,
+    /// Drains that returned at `drain_deadline` with jobs still in flight (reported later).
+    pub drain_timeouts: u64,
+    /// Jobs failed as `TierDown` because their task ended without reporting them.
+    pub jobs_orphaned: u64,
+    /// Completions the job book refused (a second one for a job, a key the job does not name):
+    /// a bug of the tier, never handed out.
+    pub invariant_failures: u64,
 }
 
 #[derive(Default)]
@@ -107,6 +126,11 @@ struct Counters {
     cancelled: AtomicU64,
     bytes_stored: AtomicU64,
     bytes_loaded: AtomicU64,
+    evictions_reported: AtomicU64,
+    evictions_unreported: AtomicU64,
+    drain_timeouts: AtomicU64,
+    jobs_orphaned: AtomicU64,
+    invariant_failures: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -130,6 +154,11 @@ impl Counters {
             cancelled: get(&self.cancelled),
             bytes_stored: get(&self.bytes_stored),
             bytes_loaded: get(&self.bytes_loaded),
+            evictions_reported: get(&self.evictions_reported),
+            evictions_unreported: get(&self.evictions_unreported),
+            drain_timeouts: get(&self.drain_timeouts),
+            jobs_orphaned: get(&self.jobs_orphaned),
+            invariant_failures: get(&self.invariant_failures),
         }
     }
 }
@@ -152,6 +181,38 @@ impl Cancel {
     }
 }
 
+/// Keys that left the index by the tier's own doing, oldest first, at most `kept_max`; the
+/// oldest go (counted in `overflow`) when more wait.
+struct Evicted {
+    keys: VecDeque<ChunkKey>,
+    overflow: u64,
+    kept_max: usize,
+}
+
+impl Evicted {
+    fn new(kept_max: usize) -> Self {
+        Self {
+            keys: VecDeque::new(),
+            overflow: 0,
+            kept_max,
+        }
+    }
+
+    fn push(&mut self, key: ChunkKey) {
+        if self.keys.len() >= self.kept_max {
+            self.keys.pop_front();
+            self.overflow += 1;
+        }
+        self.keys.push_back(key);
+    }
+
+    /// Moves the keys into `out`, oldest first; returns how many were dropped since last time.
+    fn take(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        out.extend(self.keys.drain(..));
+        std::mem::take(&mut self.overflow)
+    }
+}
+
 /// Why one chunk's request did not finish.
 enum Stop {
     Deadline,
@@ -166,14 +227,12 @@ struct Shared {
     dir: Path,
     /// Keys whose objects are known to be present (stored here, or listed at start).
     index: Mutex<HashSet<ChunkKey>>,
+    /// Keys that left `index` because of a load (corrupt, missing), for `take_evicted`.
+    evicted: Mutex<Evicted>,
     requests: Semaphore,
     request_deadline: Duration,
     multipart_threshold_bytes: usize,
     part_bytes: usize,
-    /// Jobs whose completion is not yet queued; `drain` waits for zero.
-    running: Mutex<usize>,
-    idle: Condvar,
-    completions: SyncSender<TierCompletion>,
     counters: Counters,
 }
 
@@ -187,6 +246,14 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     fn path_of(&self, key: ChunkKey) -> Path {
         self.dir.clone().join(object_name(key))
+    }
+
+    /// Takes `key` out of the index because the store no longer holds it (or holds a damaged
+    /// copy); if it was there, its removal waits for `take_evicted`.
+    fn forget(&self, key: ChunkKey) {
+        if lock(&self.index).remove(&key) {
+            lock(&self.evicted).push(key);
+        }
     }
 
     /// Runs `fut` until it finishes, the deadline passes, or the job is cancelled.
@@ -357,7 +424,7 @@ impl Shared {
             Ok(Ok(bytes)) => bytes,
             Ok(Err(object_store::Error::NotFound { .. })) => {
                 bump(&self.counters.load_misses, 1);
-                lock(&self.index).remove(&key);
+                self.forget(key);
                 return Err(TierFailure::Missing);
             }
             Ok(Err(e)) => {
@@ -389,29 +456,23 @@ impl Shared {
             return;
         }
         bump(&self.counters.corrupt, 1);
-        lock(&self.index).remove(&key);
+        self.forget(key);
         let delete = tokio::time::timeout(CLEANUP_DEADLINE, self.store.delete(path)).await;
         if !matches!(delete, Ok(Ok(()))) {
             tracing::warn!(path = %path, "object tier: deleting a corrupt object failed");
         }
     }
-
-    /// Queues a job's completion, then counts it as no longer running (so `drain` returning
-    /// means every completion is queued).
-    fn finish(&self, completion: TierCompletion) {
-        // Never full: the channel holds `jobs_in_flight_max`, and a job stays in flight (counted
-        // by `submit`) until `poll` took its completion.
-        if self.completions.try_send(completion).is_err() {
-            tracing::error!("object tier: completion channel full or closed (a bug)");
-        }
-        let mut running = lock(&self.running);
-        *running -= 1;
-        self.idle.notify_all();
-    }
 }
 
-/// Runs one job to its single completion; a panic inside fails every key of the job.
-async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
+/// Runs one job to its single completion, sent on `done`; a panic inside fails every key of the
+/// job. If the task is dropped before (the runtime stopped), its sender goes with it, and once
+/// every sender is gone the tier fails what is left in its book (orphans).
+async fn run_job(
+    shared: Arc<Shared>,
+    job: TierJob,
+    cancel: Arc<Cancel>,
+    done: SyncSender<TierCompletion>,
+) {
     let inner_shared = Arc::clone(&shared);
     let chunks = job.chunks.clone();
     let op = job.op;
@@ -437,7 +498,17 @@ async fn run_job(shared: Arc<Shared>, job: TierJob, cancel: Arc<Cancel>) {
                 .collect()
         }
     };
-    shared.finish(TierCompletion { id: job.id, failed });
+    // Never full: the channel holds `jobs_in_flight_max`, and a job stays in the book (which
+    // holds at most that many) until the tier received its completion.
+    if done
+        .try_send(TierCompletion { id: job.id, failed })
+        .is_err()
+    {
+        tracing::error!(
+            job = job.id.0,
+            "object tier: completion channel full or closed"
+        );
+    }
 }
 
 /// The object-store tier.
@@ -445,9 +516,19 @@ pub struct ObjTier {
     shared: Arc<Shared>,
     runtime: Option<tokio::runtime::Runtime>,
     completions: Receiver<TierCompletion>,
-    /// Accepted jobs whose completion `poll` has not returned yet.
-    jobs: HashMap<JobId, Arc<Cancel>>,
+    /// The sender each job task gets a copy of; dropped at shutdown, so that the channel
+    /// disconnects once no task is left.
+    sender: Option<SyncSender<TierCompletion>>,
+    /// Completions received from the tasks (checked against `book`), not yet returned by `poll`.
+    ready: VecDeque<TierCompletion>,
+    /// Accepted jobs whose completion was not received yet, each with its cancellation
+    /// (offload-core's ledger: keys, cancel asked, exactly-once completion, orphans).
+    book: JobBook<Arc<Cancel>>,
     jobs_in_flight_max: usize,
+    /// How long `Tier::drain` waits (see [`ObjTierConfig::drain_deadline`]).
+    drain_deadline: Duration,
+    /// Whether a drain timeout was warned about (once per tier; each is counted).
+    drain_timeout_warned: bool,
     shut_down: bool,
 }
 
@@ -489,23 +570,72 @@ impl ObjTier {
             memory,
             dir,
             index: Mutex::new(index),
+            evicted: Mutex::new(Evicted::new(EVICTED_KEPT_MAX)),
             requests: Semaphore::new(config.requests_in_flight_max),
             request_deadline: config.request_deadline,
             multipart_threshold_bytes: config.multipart_threshold_bytes,
             part_bytes: config.part_bytes,
-            running: Mutex::new(0),
-            idle: Condvar::new(),
-            completions: tx,
             counters,
         });
         Ok(Self {
             shared,
             runtime: Some(runtime),
             completions: rx,
-            jobs: HashMap::new(),
+            sender: Some(tx),
+            ready: VecDeque::new(),
+            book: JobBook::new(config.jobs_in_flight_max),
             jobs_in_flight_max: config.jobs_in_flight_max,
+            drain_deadline: config.drain_deadline,
+            drain_timeout_warned: false,
             shut_down: false,
         })
+    }
+
+    /// Waits until every accepted job has completed (completions then wait in `poll`) or
+    /// `deadline` passes; returns whether every job completed. Jobs not completed by then stay
+    /// in flight, their slots theirs, and are reported by a later `poll`. Neither counted nor
+    /// warned about: `Tier::drain` is this with `drain_deadline`, and counts.
+    pub fn drain_until(&mut self, deadline: std::time::Instant) -> bool {
+        while !self.book.is_empty() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.completions.recv_timeout(left) {
+                Ok(completion) => self.arrived(completion),
+                Err(RecvTimeoutError::Timeout) => return false,
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.fail_orphans();
+                    break;
+                }
+            }
+        }
+        true
+    }
+
+    /// Jobs accepted and not yet returned by `poll`.
+    pub fn jobs_in_flight(&self) -> usize {
+        self.book.len() + self.ready.len()
+    }
+
+    /// Takes a completion from a job task out of the book and queues it for `poll`; one the book
+    /// refuses (a second completion, a stray key) is a bug of the tier: never handed out.
+    fn arrived(&mut self, completion: TierCompletion) {
+        match self.book.complete(&completion) {
+            Ok(_) => self.ready.push_back(completion),
+            Err(e) => {
+                bump(&self.shared.counters.invariant_failures, 1);
+                tracing::error!(error = %e, "object tier: completion refused by the job book");
+                debug_assert!(false, "object tier: {e}");
+            }
+        }
+    }
+
+    /// Every job task is gone (each took its sender with it): fails every job still in the
+    /// book, all keys `TierDown` (no task touches their slots any more).
+    fn fail_orphans(&mut self) {
+        for (completion, _) in self.book.fail_where(TierFailure::TierDown, |_, _| true) {
+            bump(&self.shared.counters.jobs_orphaned, 1);
+            tracing::warn!(job = completion.id.0, "object tier: job lost by its task");
+            self.ready.push_back(completion);
+        }
     }
 
     /// The namespace prefix the objects live under.
@@ -529,7 +659,7 @@ impl ObjTier {
     }
 
     fn validate(&self, job: &TierJob) -> Result<(), SubmitError> {
-        if self.jobs.contains_key(&job.id) {
+        if self.book.contains(job.id) {
             return Err(SubmitError::Invalid(format!(
                 "job id {} is already in flight",
                 job.id.0
@@ -638,47 +768,61 @@ impl Tier for ObjTier {
             return Err(SubmitError::ShutDown);
         }
         self.validate(&job)?;
-        if self.jobs.len() >= self.jobs_in_flight_max {
-            return Err(SubmitError::Busy {
-                in_flight: self.jobs.len(),
-            });
+        let in_flight = self.jobs_in_flight();
+        if in_flight >= self.jobs_in_flight_max {
+            return Err(SubmitError::Busy { in_flight });
         }
-        let Some(runtime) = &self.runtime else {
+        let (Some(runtime), Some(sender)) = (&self.runtime, &self.sender) else {
             return Err(SubmitError::ShutDown);
         };
         let cancel = Arc::new(Cancel::default());
-        self.jobs.insert(job.id, Arc::clone(&cancel));
-        *lock(&self.shared.running) += 1;
-        runtime.spawn(run_job(Arc::clone(&self.shared), job, cancel));
+        // Checked above (a fresh id, fewer than the most in flight): this cannot refuse.
+        self.book.insert(&job, Arc::clone(&cancel))?;
+        let task = run_job(Arc::clone(&self.shared), job, cancel, sender.clone());
+        runtime.spawn(task);
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<TierCompletion>) {
         loop {
             match self.completions.try_recv() {
-                Ok(done) => {
-                    self.jobs.remove(&done.id);
-                    out.push(done);
+                Ok(completion) => self.arrived(completion),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.fail_orphans();
+                    break;
                 }
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => return,
             }
         }
+        out.extend(self.ready.drain(..));
     }
 
     fn cancel(&mut self, id: JobId) {
-        if let Some(cancel) = self.jobs.get(&id) {
-            cancel.cancel();
+        if !self.book.cancel(id) {
+            return;
+        }
+        if let Some(booked) = self.book.get(id) {
+            booked.value.cancel();
         }
     }
 
+    /// Waits at most `drain_deadline` (see [`ObjTierConfig::drain_deadline`]): past it the jobs
+    /// still in flight stay in flight and are reported later; counted in
+    /// [`ObjStats::drain_timeouts`] and warned about once.
     fn drain(&mut self) {
-        let mut running = lock(&self.shared.running);
-        while *running > 0 {
-            running = self
-                .shared
-                .idle
-                .wait(running)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if self.drain_until(std::time::Instant::now() + self.drain_deadline) {
+            return;
+        }
+        bump(&self.shared.counters.drain_timeouts, 1);
+        if !self.drain_timeout_warned {
+            self.drain_timeout_warned = true;
+            tracing::warn!(
+                dir = %self.shared.dir,
+                deadline = ?self.drain_deadline,
+                jobs_in_flight = self.book.len(),
+                "object tier: drain gave up with jobs in flight (a store that does not answer?); \
+                 they are reported when they complete (warned once, counted in drain_timeouts)"
+            );
         }
     }
 
@@ -686,11 +830,23 @@ impl Tier for ObjTier {
         // Per-request state: none.
     }
 
+    fn take_evicted(&mut self, out: &mut Vec<ChunkKey>) -> u64 {
+        let before = out.len();
+        let lost = lock(&self.shared.evicted).take(out);
+        let counters = &self.shared.counters;
+        bump(&counters.evictions_reported, (out.len() - before) as u64);
+        bump(&counters.evictions_unreported, lost);
+        lost
+    }
+
     fn shutdown(&mut self) {
         self.shut_down = true;
-        for cancel in self.jobs.values() {
-            cancel.cancel();
+        let ids: Vec<JobId> = self.book.iter().map(|(id, _)| id).collect();
+        for id in ids {
+            self.cancel(id);
         }
+        // No more submits: once every task is gone the channel disconnects (orphans fail then).
+        self.sender = None;
         self.drain();
     }
 }
@@ -698,9 +854,16 @@ impl Tier for ObjTier {
 impl Drop for ObjTier {
     fn drop(&mut self) {
         self.shutdown();
-        if let Some(runtime) = self.runtime.take() {
+        let Some(runtime) = self.runtime.take() else {
+            return;
+        };
+        if self.book.is_empty() {
             // Every job finished (drained above); nothing is left to wait for.
             runtime.shutdown_background();
+        } else {
+            // The drain gave up: stop the tasks (dropped at their next await) and wait for the
+            // worker threads, so that no task reads or writes a host slot after the tier is gone.
+            runtime.shutdown_timeout(CLEANUP_DEADLINE);
         }
     }
 }
@@ -748,5 +911,27 @@ mod name_tests {
         ] {
             assert_eq!(parse_object_name(name), None, "{name}");
         }
+    }
+}
+
+#[cfg(test)]
+mod evicted_tests {
+    use super::*;
+
+    /// The list keeps the newest `kept_max` keys, oldest first, and counts the ones it dropped
+    /// once; taking empties it.
+    #[test]
+    fn the_evicted_list_is_bounded_and_counts_what_it_dropped() {
+        let mut list = Evicted::new(2);
+        let keys: Vec<ChunkKey> = (0..5).map(|i| ChunkKey::new(i, 0)).collect();
+        for &k in &keys {
+            list.push(k);
+        }
+        let mut out = Vec::new();
+        assert_eq!(list.take(&mut out), 3, "three pushed out by newer keys");
+        assert_eq!(out, keys[3..]);
+        out.clear();
+        assert_eq!(list.take(&mut out), 0);
+        assert!(out.is_empty());
     }
 }

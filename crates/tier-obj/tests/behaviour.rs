@@ -1,6 +1,7 @@
 //! The object tier's own behaviour beyond the conformance suite: warm restart from a listing,
-//! damaged objects (never served, deleted), request deadlines, `Busy` and cancel of requests
-//! under way, and multipart uploads.
+//! damaged objects (never served, deleted, reported through `take_evicted`), request and drain
+//! deadlines, `Busy` and cancel of requests under way, multipart uploads, and the GCS and Azure
+//! backends' configuration.
 
 mod common;
 
@@ -15,7 +16,7 @@ use tier_obj::object_store::memory::InMemory;
 use tier_obj::object_store::path::Path;
 use tier_obj::object_store::throttle::{ThrottleConfig, ThrottledStore};
 use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use tier_obj::{Backend, ObjTier, ObjTierConfig};
+use tier_obj::{AzureConfig, Backend, GcsConfig, ObjTier, ObjTierConfig};
 use tier_testkit::VecSlotMemory;
 
 use common::{job, wait, wait_all};
@@ -359,4 +360,189 @@ fn bad_configuration_is_refused_by_name() {
     };
     let err = ObjTier::start(config, store, mem).err().expect("refused");
     assert!(err.to_string().contains("jobs_in_flight_max"), "{err}");
+}
+
+/// A key the tier drops by itself is reported once through `take_evicted`: a corrupt object
+/// (deleted) and an object that vanished behind the tier's back (a `NotFound`); loading them
+/// again reports nothing more, and neither does a load of a key never stored.
+#[test]
+fn keys_dropped_by_a_load_are_reported_evicted_once() {
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let mem = memory();
+    let mut tier = common::tier(common::config(), store.clone(), mem.clone());
+    let chunks: Vec<_> = (0..3u32)
+        .map(|i| {
+            mem.fill(SlotId(i), 6000, 400 + u64::from(i));
+            (key(u64::from(i)), SlotId(i), 6000)
+        })
+        .collect();
+    tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
+    assert!(wait(&mut tier, 1, WAIT).is_success());
+    let mut evicted = Vec::new();
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert!(evicted.is_empty(), "stores drop nothing: {evicted:?}");
+    let (p0, p1) = (tier.path_of(key(0)), tier.path_of(key(1)));
+    block_on(async {
+        let mut bytes = store
+            .get(&p0)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap()
+            .to_vec();
+        bytes[4096 + 7] ^= 0x10;
+        store.put(&p0, PutPayload::from(bytes)).await.unwrap();
+        store.delete(&p1).await.unwrap();
+    });
+    let loads = vec![
+        (key(0), SlotId(8), 6000),
+        (key(1), SlotId(9), 6000),
+        (key(2), SlotId(10), 6000),
+        (key(7), SlotId(11), 6000),
+    ];
+    tier.submit(job(2, TierOp::Load, loads.clone()))
+        .expect("submit");
+    let done = wait(&mut tier, 2, WAIT);
+    assert_eq!(
+        done.failed,
+        vec![
+            FailedKey::new(key(0), TierFailure::Corrupt),
+            FailedKey::new(key(1), TierFailure::Missing),
+            FailedKey::new(key(7), TierFailure::Missing),
+        ]
+    );
+    assert_eq!(
+        tier.take_evicted(&mut evicted),
+        0,
+        "nothing dropped unreported"
+    );
+    evicted.sort_by_key(|k| k.hash);
+    assert_eq!(
+        evicted,
+        vec![key(0), key(1)],
+        "the corrupt and the vanished key, each once; never the key never stored"
+    );
+    evicted.clear();
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert!(evicted.is_empty(), "reported once: {evicted:?}");
+    tier.submit(job(3, TierOp::Load, loads)).expect("submit");
+    assert_eq!(wait(&mut tier, 3, WAIT).failed.len(), 3);
+    tier.take_evicted(&mut evicted);
+    assert!(
+        evicted.is_empty(),
+        "a second load reports nothing again: {evicted:?}"
+    );
+    let stats = tier.stats();
+    assert_eq!(
+        (stats.evictions_reported, stats.evictions_unreported),
+        (2, 0)
+    );
+    assert_eq!(tier.key_count(), 1);
+}
+
+/// A store that stops answering: `drain` returns at `drain_deadline` (not the request deadline),
+/// counts it, and leaves the job in flight; a cancel then completes it, and a later drain with
+/// nothing in flight returns at once without counting.
+#[test]
+fn drain_gives_up_at_its_deadline_when_the_store_stalls() {
+    let throttle = ThrottleConfig {
+        wait_put_per_call: Duration::from_secs(60),
+        ..ThrottleConfig::default()
+    };
+    let store: Arc<dyn ObjectStore> = Arc::new(ThrottledStore::new(InMemory::new(), throttle));
+    let mem = memory();
+    let config = ObjTierConfig {
+        request_deadline: Duration::from_secs(60),
+        drain_deadline: Duration::from_millis(300),
+        ..common::config()
+    };
+    let mut tier = common::tier(config, store, mem.clone());
+    tier.submit(job(1, TierOp::Store, vec![(key(0), SlotId(0), 100)]))
+        .expect("submit");
+    let started = Instant::now();
+    tier.drain();
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_secs(5),
+        "drain waited {waited:?}"
+    );
+    assert_eq!(tier.stats().drain_timeouts, 1);
+    assert_eq!(tier.jobs_in_flight(), 1, "the job stays in flight");
+    let mut out = Vec::new();
+    tier.poll(&mut out);
+    assert!(out.is_empty(), "nothing reported yet: {out:?}");
+    tier.cancel(JobId(1));
+    assert_eq!(
+        wait(&mut tier, 1, WAIT).failed,
+        failed(&[key(0)], TierFailure::Cancelled)
+    );
+    let started = Instant::now();
+    tier.drain();
+    assert!(started.elapsed() < Duration::from_millis(200));
+    assert_eq!(
+        tier.stats().drain_timeouts,
+        1,
+        "an empty drain does not count"
+    );
+    // A drain that sees its job complete in time returns true and queues the completion.
+    tier.submit(job(2, TierOp::Store, vec![(key(1), SlotId(1), 100)]))
+        .expect("submit");
+    tier.cancel(JobId(2));
+    assert!(tier.drain_until(std::time::Instant::now() + WAIT));
+    tier.poll(&mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].id, JobId(2));
+}
+
+#[test]
+fn a_zero_drain_deadline_is_refused_by_name() {
+    let mem: Arc<dyn SlotMemory> = memory();
+    let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+    let config = ObjTierConfig {
+        drain_deadline: Duration::ZERO,
+        ..common::config()
+    };
+    let err = ObjTier::start(config, store, mem).err().expect("refused");
+    assert!(err.to_string().contains("drain_deadline"), "{err}");
+}
+
+/// The GCS and Azure clients build without a request; a missing bucket, container or account
+/// (none in the environment either) is an error naming the backend and what is missing.
+#[test]
+fn gcs_and_azure_clients_build_and_name_what_is_missing() {
+    let env_has = |name: &str| std::env::var_os(name).is_some();
+    let gcs = Backend::Gcs(GcsConfig {
+        bucket: Some("kvtier-bucket".to_owned()),
+    });
+    gcs.open().expect("a GCS client builds without a request");
+    if !env_has("GOOGLE_BUCKET") && !env_has("GOOGLE_BUCKET_NAME") {
+        let err = Backend::Gcs(GcsConfig::default())
+            .open()
+            .expect_err("no bucket");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("GCS client") && msg.contains("bucket"),
+            "{msg}"
+        );
+    }
+    let azure = |container: Option<&str>, endpoint: Option<&str>| {
+        Backend::Azure(AzureConfig {
+            container: container.map(str::to_owned),
+            endpoint: endpoint.map(str::to_owned),
+            allow_http: true,
+        })
+        .open()
+    };
+    if !env_has("AZURE_CONTAINER_NAME") {
+        let msg = azure(None, None).expect_err("no container").to_string();
+        assert!(
+            msg.contains("Azure client") && msg.contains("ontainer"),
+            "{msg}"
+        );
+    }
+    if !env_has("AZURE_STORAGE_ACCOUNT_NAME") && !env_has("AZURE_STORAGE_USE_EMULATOR") {
+        let msg = azure(Some("kv"), None).expect_err("no account").to_string();
+        assert!(msg.contains("az://kv") && msg.contains("ccount"), "{msg}");
+    }
 }

@@ -1,0 +1,300 @@
+//! The object tier against Azure Blob Storage's emulator on loopback: Azurite's blob service
+//! (npm `azurite`, binary `azurite-blob`), started by this test on a free port of 127.0.0.1 with a
+//! temporary data directory, and a fresh container. Store (block-list uploads too), restart (a new
+//! tier lists the container), load and compare bytes, a damaged object (failed, deleted, reported
+//! once by `take_evicted`), then the whole conformance suite over Azure.
+//!
+//! The tier reaches Azurite as a real account would be reached: `Backend::Azure` with an
+//! `endpoint` (`http://127.0.0.1:PORT/devstoreaccount1`, `allow_http`) and the account and key
+//! from the `AZURE_STORAGE_*` environment variables object_store reads; this test sets them to
+//! Azurite's published development account (`devstoreaccount1` and its well-known key).
+//!
+//! The server is `$KVTIER_AZURITE` if set, else `azurite-blob` on `PATH`. Without one, the single
+//! test prints "Azure tests NOT RUN: <reason>" and passes, unless `KVTIER_REQUIRE_AZURE=1`, when
+//! it fails.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use base64::engine::general_purpose::STANDARD as BASE64;
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup, TierOp};
+use offload_core::{ChunkKey, SlotId};
+use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use tier_obj::{AzureConfig, Backend, ObjTierConfig};
+use tier_testkit::VecSlotMemory;
+
+use common::{job, wait};
+
+const CONTAINER: &str = "kvtier-test";
+/// Azurite's development account and its published key (not a secret: the same everywhere).
+const ACCOUNT: &str = "devstoreaccount1";
+const ACCOUNT_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+/// How long the server may take to accept connections (node starts slowly).
+const START_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The Azurite process and its data directory; killed and removed when dropped.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    _data: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The server binary, or why there is none.
+fn server_binary() -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os("KVTIER_AZURITE") {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!("KVTIER_AZURITE={} is not a file", path.display()))
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("azurite-blob"))
+        .find(|candidate| candidate.is_file())
+        .ok_or_else(|| {
+            "no azurite-blob on PATH and KVTIER_AZURITE unset (install: npm install azurite)"
+                .to_owned()
+        })
+}
+
+/// Starts Azurite's blob service on a free loopback port (no telemetry: nothing leaves the
+/// machine) and waits until it accepts connections.
+fn start_server() -> Result<Server, String> {
+    let binary = server_binary()?;
+    let data = tempfile::tempdir().map_err(|e| format!("no temporary directory: {e}"))?;
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free loopback port: {e}"))?
+        .port();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let child = Command::new(&binary)
+        .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+        .arg("--location")
+        .arg(data.path())
+        .args(["--silent", "--skipApiVersionCheck", "--disableTelemetry"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+    let mut server = Server {
+        child,
+        addr,
+        _data: data,
+    };
+    let until = Instant::now() + START_DEADLINE;
+    loop {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(server);
+        }
+        if let Ok(Some(status)) = server.child.try_wait() {
+            return Err(format!("{} exited at start: {status}", binary.display()));
+        }
+        if Instant::now() > until {
+            return Err(format!(
+                "{} did not accept connections on {addr} within {START_DEADLINE:?}",
+                binary.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Creates the container with a plain HTTP PUT signed with the account's Shared Key (Azurite
+/// checks signatures; object_store has no call that creates a container).
+fn create_container(addr: SocketAddr, container: &str) {
+    let date = httpdate::fmt_http_date(SystemTime::now());
+    let version = "2021-08-06";
+    // Shared Key: verb, eleven empty standard headers, the x-ms-* headers sorted, then the
+    // account and the path (path-style: the account is the path's first part) and the query.
+    let to_sign = format!(
+        "PUT\n{}x-ms-date:{date}\nx-ms-version:{version}\n/{ACCOUNT}/{ACCOUNT}/{container}\nrestype:container",
+        "\n".repeat(11)
+    );
+    let key = BASE64.decode(ACCOUNT_KEY).expect("the dev key is base64");
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&key).expect("any key length");
+    mac.update(to_sign.as_bytes());
+    let signature = BASE64.encode(mac.finalize().into_bytes());
+    let mut stream = TcpStream::connect(addr).expect("connect to Azurite");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let request = format!(
+        "PUT /{ACCOUNT}/{container}?restype=container HTTP/1.1\r\nHost: {addr}\r\n\
+         x-ms-date: {date}\r\nx-ms-version: {version}\r\n\
+         Authorization: SharedKey {ACCOUNT}:{signature}\r\nContent-Length: 0\r\n\
+         Connection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).expect("send");
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 201"),
+        "creating container {container}: {}",
+        answer.lines().next().unwrap_or("no answer")
+    );
+}
+
+fn backend(addr: SocketAddr) -> Backend {
+    Backend::Azure(AzureConfig {
+        container: Some(CONTAINER.to_owned()),
+        endpoint: Some(format!("http://{addr}/{ACCOUNT}")),
+        allow_http: true,
+    })
+}
+
+/// Store, restart, load and compare; block-list uploads; a damaged object.
+fn round_trip_and_restart(addr: SocketAddr) {
+    const SLOT: usize = 3 << 20;
+    let mem = Arc::new(VecSlotMemory::new(8, SLOT));
+    let config = ObjTierConfig {
+        multipart_threshold_bytes: 2 << 20,
+        part_bytes: 1 << 20,
+        request_deadline: Duration::from_secs(30),
+        ..common::config()
+    };
+    let lens = [SLOT as u32, 100_000, 1, (2 << 20) + 5];
+    let keys: Vec<ChunkKey> = (0..4).map(|i| ChunkKey::new(0xA2_0000 + i, 2)).collect();
+    let chunks: Vec<_> = (0..4)
+        .map(|i| {
+            mem.fill(SlotId(i as u32), lens[i] as usize, 0xA2_0000 + i as u64);
+            (keys[i], SlotId(i as u32), lens[i])
+        })
+        .collect();
+    {
+        let store = backend(addr).open().expect("Azure client");
+        let mut tier = common::tier(config.clone(), store, mem.clone());
+        tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
+        let done = wait(&mut tier, 1, Duration::from_secs(60));
+        assert!(
+            done.is_success(),
+            "Azure store failed keys {:?}",
+            done.failed
+        );
+        assert_eq!(tier.stats().multipart_uploads, 2, "two records over 2 MiB");
+    }
+    let store = backend(addr).open().expect("Azure client");
+    let mut tier = common::tier(config, store.clone(), mem.clone());
+    assert_eq!(
+        tier.stats().keys_listed,
+        4,
+        "the restart lists every stored chunk"
+    );
+    for &k in &keys {
+        assert_eq!(tier.lookup(k), TierLookup::Hit);
+    }
+    let loads = (0..4)
+        .map(|i| {
+            mem.fill(SlotId(4 + i as u32), SLOT, 0xBAD);
+            (keys[i], SlotId(4 + i as u32), lens[i])
+        })
+        .collect();
+    tier.submit(job(2, TierOp::Load, loads)).expect("submit");
+    let done = wait(&mut tier, 2, Duration::from_secs(60));
+    assert!(
+        done.is_success(),
+        "Azure load failed keys {:?}",
+        done.failed
+    );
+    for (i, &len) in lens.iter().enumerate() {
+        assert_eq!(
+            mem.contents(SlotId(4 + i as u32))[..len as usize],
+            mem.contents(SlotId(i as u32))[..len as usize],
+            "chunk {i} differs after store, restart and load through Azure"
+        );
+    }
+    // A damaged object fails its key, is deleted, and its key is reported once.
+    let path = tier.path_of(keys[1]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut bytes = store
+            .get(&path)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap()
+            .to_vec();
+        bytes[4096 + 99] ^= 0x40;
+        store.put(&path, PutPayload::from(bytes)).await.unwrap();
+    });
+    tier.submit(job(3, TierOp::Load, vec![(keys[1], SlotId(5), lens[1])]))
+        .expect("submit");
+    assert_eq!(
+        wait(&mut tier, 3, Duration::from_secs(60)).failed,
+        vec![FailedKey::new(keys[1], TierFailure::Corrupt)]
+    );
+    assert_eq!(tier.lookup(keys[1]), TierLookup::Miss);
+    let mut evicted = Vec::new();
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert_eq!(evicted, vec![keys[1]]);
+    runtime.block_on(async {
+        assert!(store.get(&path).await.is_err(), "damaged object deleted");
+    });
+}
+
+/// The conformance suite over Azure, each case under its own prefix of the one container.
+fn conformance(addr: SocketAddr) {
+    static CASE: AtomicU64 = AtomicU64::new(0);
+    tier_testkit::conformance::run_all(|memory: Arc<dyn SlotMemory>| {
+        let n = CASE.fetch_add(1, Ordering::Relaxed);
+        let store: Arc<dyn ObjectStore> = backend(addr).open().expect("Azure client");
+        let config = ObjTierConfig {
+            prefix: format!("conformance-{n}"),
+            ..common::config()
+        };
+        Box::new(common::tier(config, store, memory))
+    });
+}
+
+#[test]
+fn azurite_round_trip_restart_and_conformance() {
+    let required = std::env::var("KVTIER_REQUIRE_AZURE").is_ok_and(|v| v == "1");
+    let server = match start_server() {
+        Ok(server) => server,
+        Err(reason) => {
+            eprintln!("Azure tests NOT RUN: {reason}");
+            println!("Azure tests NOT RUN: {reason}");
+            assert!(
+                !required,
+                "KVTIER_REQUIRE_AZURE=1 but Azure tests NOT RUN: {reason}"
+            );
+            return;
+        }
+    };
+    // The only test of this binary: no other thread reads the environment meanwhile.
+    std::env::set_var("AZURE_STORAGE_ACCOUNT_NAME", ACCOUNT);
+    std::env::set_var("AZURE_STORAGE_ACCOUNT_KEY", ACCOUNT_KEY);
+    std::env::remove_var("AZURE_STORAGE_USE_EMULATOR");
+    let started = Instant::now();
+    create_container(server.addr, CONTAINER);
+    round_trip_and_restart(server.addr);
+    conformance(server.addr);
+    eprintln!(
+        "Azure tests ran against azurite-blob on {} in {:?}",
+        server.addr,
+        started.elapsed()
+    );
+}
