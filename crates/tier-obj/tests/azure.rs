@@ -19,20 +19,12 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use base64::engine::general_purpose::STANDARD as BASE64;
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
-use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup, TierOp};
-use offload_core::{ChunkKey, SlotId};
-use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use tier_obj::{AzureConfig, Backend, ObjTierConfig};
-use tier_testkit::VecSlotMemory;
-
-use common::{job, wait};
+use tier_obj::{AzureConfig, Backend};
 
 const CONTAINER: &str = "kvtier-test";
 /// Azurite's development account and its published key (not a secret: the same everywhere).
@@ -164,108 +156,22 @@ fn backend(addr: SocketAddr) -> Backend {
 
 /// Store, restart, load and compare; block-list uploads; a damaged object.
 fn round_trip_and_restart(addr: SocketAddr) {
-    const SLOT: usize = 3 << 20;
-    let mem = Arc::new(VecSlotMemory::new(8, SLOT));
-    let config = ObjTierConfig {
+    let round_trip = common::RoundTrip {
+        service: "Azure",
+        slot: 3 << 20,
         multipart_threshold_bytes: 2 << 20,
         part_bytes: 1 << 20,
-        request_deadline: Duration::from_secs(30),
-        ..common::config()
+        big_len: (2 << 20) + 5,
+        key_base: 0xA2_0000,
+        group: 2,
     };
-    let lens = [SLOT as u32, 100_000, 1, (2 << 20) + 5];
-    let keys: Vec<ChunkKey> = (0..4).map(|i| ChunkKey::new(0xA2_0000 + i, 2)).collect();
-    let chunks: Vec<_> = (0..4)
-        .map(|i| {
-            mem.fill(SlotId(i as u32), lens[i] as usize, 0xA2_0000 + i as u64);
-            (keys[i], SlotId(i as u32), lens[i])
-        })
-        .collect();
-    {
-        let store = backend(addr).open().expect("Azure client");
-        let mut tier = common::tier(config.clone(), store, mem.clone());
-        tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
-        let done = wait(&mut tier, 1, Duration::from_secs(60));
-        assert!(
-            done.is_success(),
-            "Azure store failed keys {:?}",
-            done.failed
-        );
-        assert_eq!(tier.stats().multipart_uploads, 2, "two records over 2 MiB");
-    }
-    let store = backend(addr).open().expect("Azure client");
-    let mut tier = common::tier(config, store.clone(), mem.clone());
-    assert_eq!(
-        tier.stats().keys_listed,
-        4,
-        "the restart lists every stored chunk"
-    );
-    for &k in &keys {
-        assert_eq!(tier.lookup(k), TierLookup::Hit);
-    }
-    let loads = (0..4)
-        .map(|i| {
-            mem.fill(SlotId(4 + i as u32), SLOT, 0xBAD);
-            (keys[i], SlotId(4 + i as u32), lens[i])
-        })
-        .collect();
-    tier.submit(job(2, TierOp::Load, loads)).expect("submit");
-    let done = wait(&mut tier, 2, Duration::from_secs(60));
-    assert!(
-        done.is_success(),
-        "Azure load failed keys {:?}",
-        done.failed
-    );
-    for (i, &len) in lens.iter().enumerate() {
-        assert_eq!(
-            mem.contents(SlotId(4 + i as u32))[..len as usize],
-            mem.contents(SlotId(i as u32))[..len as usize],
-            "chunk {i} differs after store, restart and load through Azure"
-        );
-    }
-    // A damaged object fails its key, is deleted, and its key is reported once.
-    let path = tier.path_of(keys[1]);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async {
-        let mut bytes = store
-            .get(&path)
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap()
-            .to_vec();
-        bytes[4096 + 99] ^= 0x40;
-        store.put(&path, PutPayload::from(bytes)).await.unwrap();
-    });
-    tier.submit(job(3, TierOp::Load, vec![(keys[1], SlotId(5), lens[1])]))
-        .expect("submit");
-    assert_eq!(
-        wait(&mut tier, 3, Duration::from_secs(60)).failed,
-        vec![FailedKey::new(keys[1], TierFailure::Corrupt)]
-    );
-    assert_eq!(tier.lookup(keys[1]), TierLookup::Miss);
-    let mut evicted = Vec::new();
-    assert_eq!(tier.take_evicted(&mut evicted), 0);
-    assert_eq!(evicted, vec![keys[1]]);
-    runtime.block_on(async {
-        assert!(store.get(&path).await.is_err(), "damaged object deleted");
-    });
+    common::round_trip_and_restart(&round_trip, &|| backend(addr).open().expect("Azure client"));
 }
 
 /// The conformance suite over Azure, each case under its own prefix of the one container.
 fn conformance(addr: SocketAddr) {
-    static CASE: AtomicU64 = AtomicU64::new(0);
-    tier_testkit::conformance::run_all(|memory: Arc<dyn SlotMemory>| {
-        let n = CASE.fetch_add(1, Ordering::Relaxed);
-        let store: Arc<dyn ObjectStore> = backend(addr).open().expect("Azure client");
-        let config = ObjTierConfig {
-            prefix: format!("conformance-{n}"),
-            ..common::config()
-        };
-        Box::new(common::tier(config, store, memory))
+    common::conformance_over(&common::config(), &|| {
+        backend(addr).open().expect("Azure client")
     });
 }
 

@@ -13,17 +13,9 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{FailedKey, SlotMemory, Tier, TierFailure, TierLookup, TierOp};
-use offload_core::{ChunkKey, SlotId};
-use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tier_obj::{Backend, ObjTierConfig, S3Config};
-use tier_testkit::VecSlotMemory;
-
-use common::{job, wait};
 
 const BUCKET: &str = "kvtier-test";
 /// How long the server may take to accept connections.
@@ -130,104 +122,31 @@ fn backend(addr: SocketAddr) -> Backend {
     })
 }
 
-/// Store, restart, load and compare; a multipart upload; a damaged object.
+/// Store, restart, load and compare; a multipart upload (S3's 5 MiB minimum part); a damaged
+/// object.
 fn round_trip_and_restart(addr: SocketAddr) {
-    const SLOT: usize = 11 << 20;
-    let mem = Arc::new(VecSlotMemory::new(8, SLOT));
-    let config = ObjTierConfig {
+    let round_trip = common::RoundTrip {
+        service: "S3",
+        slot: 11 << 20,
         multipart_threshold_bytes: 6 << 20,
         part_bytes: 5 << 20,
-        request_deadline: Duration::from_secs(30),
-        ..common::config()
+        big_len: 6 << 20,
+        key_base: 0x5300,
+        group: 1,
     };
-    let lens = [SLOT as u32, 100_000, 1, 6 << 20];
-    let keys: Vec<ChunkKey> = (0..4).map(|i| ChunkKey::new(0x5300 + i, 1)).collect();
-    let chunks: Vec<_> = (0..4)
-        .map(|i| {
-            mem.fill(SlotId(i as u32), lens[i] as usize, 0x53_0000 + i as u64);
-            (keys[i], SlotId(i as u32), lens[i])
-        })
-        .collect();
-    {
-        let store = backend(addr).open().expect("S3 client");
-        let mut tier = common::tier(config.clone(), store, mem.clone());
-        tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
-        let done = wait(&mut tier, 1, Duration::from_secs(60));
-        assert!(done.is_success(), "S3 store failed keys {:?}", done.failed);
-        assert_eq!(tier.stats().multipart_uploads, 2, "two records over 6 MiB");
-    }
-    let store = backend(addr).open().expect("S3 client");
-    let mut tier = common::tier(config, store.clone(), mem.clone());
-    assert_eq!(
-        tier.stats().keys_listed,
-        4,
-        "the restart lists every stored chunk"
-    );
-    for &k in &keys {
-        assert_eq!(tier.lookup(k), TierLookup::Hit);
-    }
-    let loads = (0..4)
-        .map(|i| {
-            mem.fill(SlotId(4 + i as u32), SLOT, 0xBAD);
-            (keys[i], SlotId(4 + i as u32), lens[i])
-        })
-        .collect();
-    tier.submit(job(2, TierOp::Load, loads)).expect("submit");
-    let done = wait(&mut tier, 2, Duration::from_secs(60));
-    assert!(done.is_success(), "S3 load failed keys {:?}", done.failed);
-    for (i, &len) in lens.iter().enumerate() {
-        assert_eq!(
-            mem.contents(SlotId(4 + i as u32))[..len as usize],
-            mem.contents(SlotId(i as u32))[..len as usize],
-            "chunk {i} differs after store, restart and load through S3"
-        );
-    }
-    // A damaged object fails its key and is deleted.
-    let path = tier.path_of(keys[1]);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async {
-        let mut bytes = store
-            .get(&path)
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap()
-            .to_vec();
-        bytes[4096 + 99] ^= 0x40;
-        store.put(&path, PutPayload::from(bytes)).await.unwrap();
-    });
-    tier.submit(job(3, TierOp::Load, vec![(keys[1], SlotId(5), lens[1])]))
-        .expect("submit");
-    assert_eq!(
-        wait(&mut tier, 3, Duration::from_secs(60)).failed,
-        vec![FailedKey::new(keys[1], TierFailure::Corrupt)]
-    );
-    assert_eq!(tier.lookup(keys[1]), TierLookup::Miss);
-    runtime.block_on(async {
-        assert!(store.get(&path).await.is_err(), "damaged object deleted");
-    });
+    common::round_trip_and_restart(&round_trip, &|| backend(addr).open().expect("S3 client"));
 }
 
 /// The conformance suite over S3, each case under its own prefix of the one bucket (single puts;
 /// multipart runs in [`round_trip_and_restart`]).
 fn conformance(addr: SocketAddr) {
-    static CASE: AtomicU64 = AtomicU64::new(0);
-    tier_testkit::conformance::run_all(|memory: Arc<dyn SlotMemory>| {
-        let n = CASE.fetch_add(1, Ordering::Relaxed);
-        let store: Arc<dyn ObjectStore> = backend(addr).open().expect("S3 client");
-        let config = ObjTierConfig {
-            prefix: format!("conformance-{n}"),
-            // S3 refuses parts under 5 MiB (but the last): the suite's 16 KiB chunks go whole.
-            multipart_threshold_bytes: 8 << 20,
-            part_bytes: 5 << 20,
-            ..common::config()
-        };
-        Box::new(common::tier(config, store, memory))
-    });
+    let base = ObjTierConfig {
+        // S3 refuses parts under 5 MiB (but the last): the suite's 16 KiB chunks go whole.
+        multipart_threshold_bytes: 8 << 20,
+        part_bytes: 5 << 20,
+        ..common::config()
+    };
+    common::conformance_over(&base, &|| backend(addr).open().expect("S3 client"));
 }
 
 #[test]

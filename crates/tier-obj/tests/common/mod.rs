@@ -6,10 +6,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use offload_core::tier::{SlotMemory, Tier, TierChunk, TierCompletion, TierJob, TierOp};
+use offload_core::tier::{
+    FailedKey, SlotMemory, Tier, TierChunk, TierCompletion, TierFailure, TierJob, TierLookup,
+    TierOp,
+};
 use offload_core::{ChunkKey, JobId, SlotId};
-use tier_obj::object_store::ObjectStore;
+use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tier_obj::{NamespaceId, ObjTier, ObjTierConfig};
+use tier_testkit::VecSlotMemory;
 
 /// The namespace every test uses.
 pub fn namespace() -> NamespaceId {
@@ -135,4 +139,139 @@ pub fn wait_all(tier: &mut dyn Tier, ids: &[u64], within: Duration) -> Vec<TierC
         );
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// One service's round trip against a real server ([`round_trip_and_restart`]): its name for
+/// messages, the slot size, and the multipart settings its uploads must cross.
+pub struct RoundTrip {
+    /// The service, as messages name it ("S3", "Azure").
+    pub service: &'static str,
+    /// Bytes per slot: the first chunk fills one.
+    pub slot: usize,
+    /// Records above this go up in parts.
+    pub multipart_threshold_bytes: usize,
+    /// Bytes per part.
+    pub part_bytes: usize,
+    /// The fourth chunk's length (over the multipart threshold, under a slot).
+    pub big_len: u32,
+    /// The first key's hash (the others follow) and the keys' group.
+    pub key_base: u128,
+    /// The keys' KV group.
+    pub group: u32,
+}
+
+/// Store four chunks (two of them in parts), restart (a new tier lists what the first stored),
+/// load them into other slots and compare bytes; then damage one object on the server: its load
+/// fails as corrupt, the object is deleted, and `take_evicted` reports its key once. `open`
+/// makes a client of the server.
+pub fn round_trip_and_restart(rt: &RoundTrip, open: &dyn Fn() -> Arc<dyn ObjectStore>) {
+    let service = rt.service;
+    let mem = Arc::new(VecSlotMemory::new(8, rt.slot));
+    let config = ObjTierConfig {
+        multipart_threshold_bytes: rt.multipart_threshold_bytes,
+        part_bytes: rt.part_bytes,
+        request_deadline: Duration::from_secs(30),
+        ..config()
+    };
+    let lens = [rt.slot as u32, 100_000, 1, rt.big_len];
+    let keys: Vec<ChunkKey> = (0..4u32)
+        .map(|i| ChunkKey::new(rt.key_base + u128::from(i), rt.group))
+        .collect();
+    let seed = |i: usize| (rt.key_base as u64).wrapping_add(i as u64);
+    let chunks: Vec<_> = (0..4)
+        .map(|i| {
+            mem.fill(SlotId(i as u32), lens[i] as usize, seed(i));
+            (keys[i], SlotId(i as u32), lens[i])
+        })
+        .collect();
+    {
+        let mut tier = self::tier(config.clone(), open(), mem.clone());
+        tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
+        let done = wait(&mut tier, 1, Duration::from_secs(60));
+        assert!(
+            done.is_success(),
+            "{service} store failed keys {:?}",
+            done.failed
+        );
+        assert_eq!(
+            tier.stats().multipart_uploads,
+            2,
+            "two records over the multipart threshold"
+        );
+    }
+    let store = open();
+    let mut tier = self::tier(config, store.clone(), mem.clone());
+    assert_eq!(
+        tier.stats().keys_listed,
+        4,
+        "the restart lists every stored chunk"
+    );
+    for &k in &keys {
+        assert_eq!(tier.lookup(k), TierLookup::Hit);
+    }
+    let loads = (0..4)
+        .map(|i| {
+            mem.fill(SlotId(4 + i as u32), rt.slot, 0xBAD);
+            (keys[i], SlotId(4 + i as u32), lens[i])
+        })
+        .collect();
+    tier.submit(job(2, TierOp::Load, loads)).expect("submit");
+    let done = wait(&mut tier, 2, Duration::from_secs(60));
+    assert!(
+        done.is_success(),
+        "{service} load failed keys {:?}",
+        done.failed
+    );
+    for (i, &len) in lens.iter().enumerate() {
+        assert_eq!(
+            mem.contents(SlotId(4 + i as u32))[..len as usize],
+            mem.contents(SlotId(i as u32))[..len as usize],
+            "chunk {i} differs after store, restart and load through {service}"
+        );
+    }
+    // A damaged object fails its key, is deleted, and its key is reported once.
+    let path = tier.path_of(keys[1]);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let mut bytes = store
+            .get(&path)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap()
+            .to_vec();
+        bytes[4096 + 99] ^= 0x40;
+        store.put(&path, PutPayload::from(bytes)).await.unwrap();
+    });
+    tier.submit(job(3, TierOp::Load, vec![(keys[1], SlotId(5), lens[1])]))
+        .expect("submit");
+    assert_eq!(
+        wait(&mut tier, 3, Duration::from_secs(60)).failed,
+        vec![FailedKey::new(keys[1], TierFailure::Corrupt)]
+    );
+    assert_eq!(tier.lookup(keys[1]), TierLookup::Miss);
+    let mut evicted = Vec::new();
+    assert_eq!(tier.take_evicted(&mut evicted), 0);
+    assert_eq!(evicted, vec![keys[1]]);
+    runtime.block_on(async {
+        assert!(store.get(&path).await.is_err(), "damaged object deleted");
+    });
+}
+
+/// The conformance suite over a real server with `base`, each case under its own prefix
+/// (`open` makes a client of the server).
+pub fn conformance_over(base: &ObjTierConfig, open: &dyn Fn() -> Arc<dyn ObjectStore>) {
+    let mut case = 0;
+    tier_testkit::conformance::run_all(|memory: Arc<dyn SlotMemory>| {
+        case += 1;
+        let config = ObjTierConfig {
+            prefix: format!("conformance-{case}"),
+            ..base.clone()
+        };
+        Box::new(tier(config, open(), memory))
+    });
 }
