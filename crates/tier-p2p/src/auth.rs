@@ -8,7 +8,7 @@
 //! and the digests of a NIXL_OFFER) carries a keyed BLAKE3 tag under it (`ChunkAuth`) instead
 //! of the unkeyed xxh3, so neither a peer without the secret nor anything on the path can serve
 //! bytes that verify. The tag keys the payload's POLYVAL digest under a hash key derived from the
-//! secret and the namespace ([`hash_key`]), which a publisher computes once per chunk, not the
+//! secret and the namespace (`hash_key`), which a publisher computes once per chunk, not the
 //! bytes themselves (protocol 6; protocol 5 keyed an unkeyed BLAKE3 digest, which cost the
 //! receiver twice as much CPU per byte). Without a secret (loopback only) the tag is the xxh3
 //! checksum.
