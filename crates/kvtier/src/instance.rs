@@ -229,7 +229,9 @@ pub fn tier_kinds(config: &ConnectorConfig) -> Vec<&str> {
 pub struct TierLine {
     /// `cpu` (the host pool), or the secondary tier's name.
     pub name: String,
-    /// Lookups that hit.
+    /// Host pool: chunks that requests' prefix lookups found there and loaded (load jobs built;
+    /// a chunk looked up again while its request waited counts once). Secondary tiers: lookups
+    /// they answered after a host-pool miss.
     pub hits: u64,
     /// Chunks stored.
     pub stores: u64,
@@ -408,7 +410,10 @@ pub fn summarize(
         let tokens_per_chunk = u64::from(cfg.tokens_per_block * cfg.blocks_per_chunk);
         let t = &metrics.tiering;
         let cpu = tier_line(&mut r.tiers, connector::HOST_TIER_NAME);
-        cpu.hits += metrics.host.lookup_hits;
+        // Chunks the requests' prefix lookups found here and took (load jobs built), each once
+        // per load: the host pool's own `lookup_hits` counts every lookup, and vLLM's scheduler
+        // (as engine-sim's) looks a waiting request up again every step.
+        cpu.hits += metrics.scheduler.chunks_load_submitted;
         cpu.stores += t.host_chunks_stored;
         cpu.loads += t.host_chunks_loaded;
         cpu.bytes_stored += t.host_bytes_stored;
