@@ -93,22 +93,8 @@ fn start_server() -> Result<Server, String> {
         addr,
         _data: data,
     };
-    let until = Instant::now() + START_DEADLINE;
-    loop {
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            return Ok(server);
-        }
-        if let Ok(Some(status)) = server.child.try_wait() {
-            return Err(format!("{} exited at start: {status}", binary.display()));
-        }
-        if Instant::now() > until {
-            return Err(format!(
-                "{} did not accept connections on {addr} within {START_DEADLINE:?}",
-                binary.display()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_until_listening(&mut server.child, addr, &binary, START_DEADLINE)?;
+    Ok(server)
 }
 
 /// Creates the container with a plain HTTP PUT signed with the account's Shared Key (Azurite

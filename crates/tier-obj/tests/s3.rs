@@ -73,22 +73,8 @@ fn start_server() -> Result<Server, String> {
         .spawn()
         .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
     let mut server = Server { child, addr };
-    let until = Instant::now() + START_DEADLINE;
-    loop {
-        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
-            return Ok(server);
-        }
-        if let Ok(Some(status)) = server.child.try_wait() {
-            return Err(format!("{} exited at start: {status}", binary.display()));
-        }
-        if Instant::now() > until {
-            return Err(format!(
-                "{} did not accept connections on {addr} within {START_DEADLINE:?}",
-                binary.display()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    common::wait_until_listening(&mut server.child, addr, &binary, START_DEADLINE)?;
+    Ok(server)
 }
 
 /// Creates the bucket with a plain HTTP PUT (moto does not check signatures).

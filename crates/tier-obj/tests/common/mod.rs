@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -274,4 +277,30 @@ pub fn conformance_over(base: &ObjTierConfig, open: &dyn Fn() -> Arc<dyn ObjectS
         };
         Box::new(tier(config, open(), memory))
     });
+}
+
+/// Waits until the server `child` (started from `binary`) accepts connections on `addr`, at most
+/// `within`; the error says why not (it exited, or never listened).
+pub fn wait_until_listening(
+    child: &mut Child,
+    addr: SocketAddr,
+    binary: &Path,
+    within: Duration,
+) -> Result<(), String> {
+    let until = Instant::now() + within;
+    loop {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(format!("{} exited at start: {status}", binary.display()));
+        }
+        if Instant::now() > until {
+            return Err(format!(
+                "{} did not accept connections on {addr} within {within:?}",
+                binary.display()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
