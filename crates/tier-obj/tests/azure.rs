@@ -16,9 +16,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant, SystemTime};
 
 use base64::engine::general_purpose::STANDARD as BASE64;
@@ -34,67 +32,24 @@ const ACCOUNT_KEY: &str =
 /// How long the server may take to accept connections (node starts slowly).
 const START_DEADLINE: Duration = Duration::from_secs(60);
 
-/// The Azurite process and its data directory; killed and removed when dropped.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-    _data: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The server binary, or why there is none.
-fn server_binary() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("KVTIER_AZURITE") {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(format!("KVTIER_AZURITE={} is not a file", path.display()))
-        };
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("azurite-blob"))
-        .find(|candidate| candidate.is_file())
-        .ok_or_else(|| {
-            "no azurite-blob on PATH and KVTIER_AZURITE unset (install: npm install azurite)"
-                .to_owned()
-        })
-}
-
 /// Starts Azurite's blob service on a free loopback port (no telemetry: nothing leaves the
 /// machine) and waits until it accepts connections.
-fn start_server() -> Result<Server, String> {
-    let binary = server_binary()?;
+fn start_server() -> Result<common::ServerProcess, String> {
+    let binary = common::server_binary("KVTIER_AZURITE", "azurite-blob", "npm install azurite")?;
     let data = tempfile::tempdir().map_err(|e| format!("no temporary directory: {e}"))?;
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free loopback port: {e}"))?
-        .port();
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let child = Command::new(&binary)
-        .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
-        .arg("--location")
-        .arg(data.path())
-        .args(["--silent", "--skipApiVersionCheck", "--disableTelemetry"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
-    let mut server = Server {
-        child,
-        addr,
-        _data: data,
-    };
-    common::wait_until_listening(&mut server.child, addr, &binary, START_DEADLINE)?;
-    Ok(server)
+    let location = data.path().to_path_buf();
+    common::start_server(
+        &binary,
+        |command, port| {
+            command
+                .args(["--blobHost", "127.0.0.1", "--blobPort", &port.to_string()])
+                .arg("--location")
+                .arg(&location)
+                .args(["--silent", "--skipApiVersionCheck", "--disableTelemetry"]);
+        },
+        Some(data),
+        START_DEADLINE,
+    )
 }
 
 /// Creates the container with a plain HTTP PUT signed with the account's Shared Key (Azurite

@@ -19,7 +19,7 @@ use tier_obj::object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use tier_obj::{AzureConfig, Backend, GcsConfig, ObjTier, ObjTierConfig};
 use tier_testkit::VecSlotMemory;
 
-use common::{job, wait, wait_all};
+use common::{block_on, flip_byte, job, wait, wait_all};
 
 const SLOT_BYTES: usize = 16 * 1024;
 /// How long a job may take here (the in-memory backend answers at once).
@@ -34,14 +34,6 @@ fn key(i: u64) -> ChunkKey {
         0xBEEF << 64 | u128::from(0x00C0_FFEE_0000 + i),
         (i % 3) as u32,
     )
-}
-
-fn block_on<T>(fut: impl std::future::Future<Output = T>) -> T {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("test runtime")
-        .block_on(fut)
 }
 
 /// `keys`, each failed for `kind`, as a completion lists them.
@@ -382,19 +374,8 @@ fn keys_dropped_by_a_load_are_reported_evicted_once() {
     assert_eq!(tier.take_evicted(&mut evicted), 0);
     assert!(evicted.is_empty(), "stores drop nothing: {evicted:?}");
     let (p0, p1) = (tier.path_of(key(0)), tier.path_of(key(1)));
-    block_on(async {
-        let mut bytes = store
-            .get(&p0)
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap()
-            .to_vec();
-        bytes[4096 + 7] ^= 0x10;
-        store.put(&p0, PutPayload::from(bytes)).await.unwrap();
-        store.delete(&p1).await.unwrap();
-    });
+    flip_byte(store.as_ref(), &p0, 4096 + 7, 0x10);
+    block_on(store.delete(&p1)).unwrap();
     let loads = vec![
         (key(0), SlotId(8), 6000),
         (key(1), SlotId(9), 6000),

@@ -10,9 +10,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use tier_obj::{Backend, ObjTierConfig, S3Config};
@@ -21,60 +19,21 @@ const BUCKET: &str = "kvtier-test";
 /// How long the server may take to accept connections.
 const START_DEADLINE: Duration = Duration::from_secs(30);
 
-/// The moto server process; killed when dropped.
-struct Server {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The server binary, or why there is none.
-fn server_binary() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os("KVTIER_MOTO_SERVER") {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(format!(
-                "KVTIER_MOTO_SERVER={} is not a file",
-                path.display()
-            ))
-        };
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("moto_server"))
-        .find(|candidate| candidate.is_file())
-        .ok_or_else(|| {
-            "no moto_server on PATH and KVTIER_MOTO_SERVER unset (install: pip install 'moto[server]')"
-                .to_owned()
-        })
-}
-
-/// Starts the server on a free loopback port and waits until it accepts connections.
-fn start_server() -> Result<Server, String> {
-    let binary = server_binary()?;
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map_err(|e| format!("no free loopback port: {e}"))?
-        .port();
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    let child = Command::new(&binary)
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
-    let mut server = Server { child, addr };
-    common::wait_until_listening(&mut server.child, addr, &binary, START_DEADLINE)?;
-    Ok(server)
+/// Starts moto on a free loopback port and waits until it accepts connections.
+fn start_server() -> Result<common::ServerProcess, String> {
+    let binary = common::server_binary(
+        "KVTIER_MOTO_SERVER",
+        "moto_server",
+        "pip install 'moto[server]'",
+    )?;
+    common::start_server(
+        &binary,
+        |command, port| {
+            command.args(["-H", "127.0.0.1", "-p", &port.to_string()]);
+        },
+        None,
+        START_DEADLINE,
+    )
 }
 
 /// Creates the bucket with a plain HTTP PUT (moto does not check signatures).

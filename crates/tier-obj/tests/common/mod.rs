@@ -3,9 +3,9 @@
 
 #![allow(dead_code)]
 
-use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
-use std::process::Child;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -234,22 +234,7 @@ pub fn round_trip_and_restart(rt: &RoundTrip, open: &dyn Fn() -> Arc<dyn ObjectS
     }
     // A damaged object fails its key, is deleted, and its key is reported once.
     let path = tier.path_of(keys[1]);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async {
-        let mut bytes = store
-            .get(&path)
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap()
-            .to_vec();
-        bytes[4096 + 99] ^= 0x40;
-        store.put(&path, PutPayload::from(bytes)).await.unwrap();
-    });
+    flip_byte(store.as_ref(), &path, 4096 + 99, 0x40);
     tier.submit(job(3, TierOp::Load, vec![(keys[1], SlotId(5), lens[1])]))
         .expect("submit");
     assert_eq!(
@@ -260,9 +245,10 @@ pub fn round_trip_and_restart(rt: &RoundTrip, open: &dyn Fn() -> Arc<dyn ObjectS
     let mut evicted = Vec::new();
     assert_eq!(tier.take_evicted(&mut evicted), 0);
     assert_eq!(evicted, vec![keys[1]]);
-    runtime.block_on(async {
-        assert!(store.get(&path).await.is_err(), "damaged object deleted");
-    });
+    assert!(
+        block_on(store.get(&path)).is_err(),
+        "damaged object deleted"
+    );
 }
 
 /// The conformance suite over a real server with `base`, each case under its own prefix
@@ -279,9 +265,105 @@ pub fn conformance_over(base: &ObjTierConfig, open: &dyn Fn() -> Arc<dyn ObjectS
     });
 }
 
+/// Runs `fut` to completion on a fresh current-thread runtime.
+pub fn block_on<T>(fut: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("test runtime")
+        .block_on(fut)
+}
+
+/// Flips bits `mask` of byte `at` of the object at `path` in `store` (damage the tier must
+/// catch).
+pub fn flip_byte(
+    store: &dyn ObjectStore,
+    path: &tier_obj::object_store::path::Path,
+    at: usize,
+    mask: u8,
+) {
+    block_on(async {
+        let mut bytes = store
+            .get(path)
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap()
+            .to_vec();
+        bytes[at] ^= mask;
+        store.put(path, PutPayload::from(bytes)).await.unwrap();
+    });
+}
+
+/// A test server process on loopback (with its data directory, if it has one); killed, and
+/// the directory removed, when dropped.
+pub struct ServerProcess {
+    /// The process.
+    pub child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    _data: Option<tempfile::TempDir>,
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The server binary: `$env` if set (it must be a file), else `name` on `PATH`; or why there
+/// is none (`install` says how to get one).
+pub fn server_binary(env: &str, name: &str, install: &str) -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os(env) {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!("{env}={} is not a file", path.display()))
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+        .ok_or_else(|| format!("no {name} on PATH and {env} unset (install: {install})"))
+}
+
+/// Starts `binary` on a free port of 127.0.0.1 (`args` gets the port and adds the arguments),
+/// its output discarded, and waits at most `within` until it accepts connections.
+pub fn start_server(
+    binary: &Path,
+    args: impl FnOnce(&mut Command, u16),
+    data: Option<tempfile::TempDir>,
+    within: Duration,
+) -> Result<ServerProcess, String> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("no free loopback port: {e}"))?
+        .port();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let mut command = Command::new(binary);
+    args(&mut command, port);
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+    let mut server = ServerProcess {
+        child,
+        addr,
+        _data: data,
+    };
+    wait_until_listening(&mut server.child, addr, binary, within)?;
+    Ok(server)
+}
+
 /// Waits until the server `child` (started from `binary`) accepts connections on `addr`, at most
 /// `within`; the error says why not (it exited, or never listened).
-pub fn wait_until_listening(
+fn wait_until_listening(
     child: &mut Child,
     addr: SocketAddr,
     binary: &Path,
