@@ -134,6 +134,25 @@ def test_same_prefix_requests(engines, n):
     assert e.metrics()["scheduler"]["invariant_failures"] == 0
 
 
+def reset_once_its_load_is_built(e, rec, then=lambda: None) -> list:
+    """Makes the next step that builds `rec`'s load reset the cache right after building the
+    metadata, before the workers run it (vLLM's async scheduling builds a step while the workers
+    run the previous one). Returns a list that gets `(reset_cache's answer, then())` once it
+    happened."""
+    real_build = e.sched.build_connector_meta
+    fired = []
+
+    def build_then_reset(so):
+        meta = real_build(so)
+        if rec.state == "loading":
+            fired.append((e.sched.reset_cache(), then()))
+            e.sched.build_connector_meta = real_build
+        return meta
+
+    e.sched.build_connector_meta = build_then_reset
+    return fired
+
+
 def test_reset_keeps_disk_and_in_flight_loads_are_safe(engines, tmp_path):
     from connector_driver import prompt
 
@@ -154,17 +173,9 @@ def test_reset_keeps_disk_and_in_flight_loads_are_safe(engines, tmp_path):
     # scheduling builds a step while the worker runs the previous one): the worker must not copy
     # from slots the reset freed, so the load fails and vLLM recomputes.
     c = e.add("c", prompt("reset", 64) + prompt("c", 8), max_tokens=1)
-    real_build = e.sched.build_connector_meta
-
-    def build_then_reset(so):
-        meta = real_build(so)
-        if c.state == "loading":
-            e.sched.reset_cache()
-            e.sched.build_connector_meta = real_build
-        return meta
-
-    e.sched.build_connector_meta = build_then_reset
+    fired = reset_once_its_load_is_built(e, c)
     e.run()
+    assert fired, "the load was never built"
     assert c.state == "released"
     assert c.loaded_tokens == 64 and c.load_failed, c
 
@@ -258,19 +269,9 @@ def test_reset_with_worker_processes(engines):
     assert b.loaded_tokens == 0 and not b.load_failed, b
 
     c = e.add("c", prompt("tp-reset", 64) + prompt("c", 8), max_tokens=1)
-    real_build = e.sched.build_connector_meta
-    reset_at = []
-
-    def build_then_reset(so):
-        meta = real_build(so)
-        if c.state == "loading" and not reset_at:
-            reset_at.append(e.sched.reset_cache())
-            e.sched.build_connector_meta = real_build
-        return meta
-
-    e.sched.build_connector_meta = build_then_reset
+    fired = reset_once_its_load_is_built(e, c)
     e.run()
-    assert reset_at == [True], "the load was never built"
+    assert [answer for answer, _ in fired] == [True], "the load was never built"
     assert c.state == "released" and c.loaded_tokens == 64, c
     # Stored again by c's recompute: d loads it, both shards checked against recompute.
     d = e.add("d", prompt("tp-reset", 64) + prompt("d", 8), max_tokens=1)
@@ -566,19 +567,9 @@ def test_metadata_built_before_a_reset_starts_no_copy(engines):
     e.run()
     c = e.add("c", prompt("epoch", 64) + prompt("c", 8), max_tokens=1)
     native = e.worker._worker.native
-    at_reset = []
-    real_build = e.sched.build_connector_meta
-
-    def build_then_reset(so):
-        meta = real_build(so)
-        if c.state == "loading" and not at_reset:
-            e.sched.reset_cache()
-            at_reset.append(native.counters()["jobs_submitted"])
-        return meta
-
-    e.sched.build_connector_meta = build_then_reset
+    fired = reset_once_its_load_is_built(e, c, then=lambda: native.counters()["jobs_submitted"])
     e.step()  # builds c's load, resets, then the worker runs the step
-    assert at_reset, "the load was not built in the first step"
-    assert native.counters()["jobs_submitted"] == at_reset[0], native.counters()
+    assert fired, "the load was not built in the first step"
+    assert native.counters()["jobs_submitted"] == fired[0][1], native.counters()
     e.run()
     assert c.load_failed and c.state == "released", c
