@@ -457,9 +457,38 @@ fn poll_until(mut step: impl FnMut() -> bool, what: &str) {
     }
 }
 
+/// Stores `keys` through the host pool for `request` (each slot filled with its key's pattern),
+/// finishes the request, and waits until every cascade into the secondary tier is over.
+fn store_and_cascade(
+    manager: &mut connector::TieringManager,
+    memory: &dyn SlotMemory,
+    keys: &[ChunkKey],
+    request: RequestId,
+    what: &str,
+) {
+    use offload_core::{OffloadManager, PreparedStore};
+
+    let mut prepared = PreparedStore::default();
+    manager
+        .prepare_store(keys, request, &mut prepared)
+        .expect("room");
+    for (key, slot) in prepared.keys.iter().zip(&prepared.slots) {
+        tier_testkit::fill_slot(memory, *slot, memory.slot_bytes(), key.hash_low());
+    }
+    manager.complete_store(&prepared.keys, true);
+    manager.on_request_finished(request);
+    poll_until(
+        || {
+            manager.begin_step();
+            manager.tier_jobs_in_flight() == 0
+        },
+        what,
+    );
+}
+
 #[test]
 fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_byte() {
-    use offload_core::{KvEvent, LookupResult, OffloadManager, PreparedStore};
+    use offload_core::{KvEvent, LookupResult, OffloadManager};
     use tier_testkit::{fill_slot, first_mismatch, VecSlotMemory};
 
     let config = ConnectorConfig::from_toml_str(CONFIG).expect("parses");
@@ -476,20 +505,11 @@ fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_b
 
     // Store three chunks through the host pool; each cascades into the memory tier.
     let keys: Vec<ChunkKey> = (1..=3).map(|n| ChunkKey::new(0x5eed_0000 + n, 0)).collect();
-    let mut prepared = PreparedStore::default();
-    manager
-        .prepare_store(&keys, RequestId(1), &mut prepared)
-        .expect("room");
-    for (key, slot) in prepared.keys.iter().zip(&prepared.slots) {
-        fill_slot(memory.as_ref(), *slot, slot_bytes, key.hash_low());
-    }
-    manager.complete_store(&prepared.keys, true);
-    manager.on_request_finished(RequestId(1));
-    poll_until(
-        || {
-            manager.begin_step();
-            manager.tier_jobs_in_flight() == 0
-        },
+    store_and_cascade(
+        &mut manager,
+        memory.as_ref(),
+        &keys,
+        RequestId(1),
         "the cascade",
     );
     assert_eq!(manager.tier_counters(0).map(|c| c.chunks_stored), Some(3));
@@ -533,23 +553,11 @@ fn a_config_file_names_the_memory_tier_and_a_chunk_comes_back_from_it_byte_for_b
     let mut events = Vec::new();
     manager.take_tier_events(&mut events);
     let fourth = ChunkKey::new(0x5eed_0004, 0);
-    let mut prepared = PreparedStore::default();
-    manager
-        .prepare_store(&[fourth], RequestId(3), &mut prepared)
-        .expect("room");
-    fill_slot(
+    store_and_cascade(
+        &mut manager,
         memory.as_ref(),
-        prepared.slots[0],
-        slot_bytes,
-        fourth.hash_low(),
-    );
-    manager.complete_store(&prepared.keys, true);
-    manager.on_request_finished(RequestId(3));
-    poll_until(
-        || {
-            manager.begin_step();
-            manager.tier_jobs_in_flight() == 0
-        },
+        &[fourth],
+        RequestId(3),
         "the fourth cascade",
     );
     manager.take_tier_events(&mut events);
