@@ -36,6 +36,19 @@ fn key(i: u64) -> ChunkKey {
     )
 }
 
+/// Stores `key(0..n)` from slots `0..n` (6000 bytes each, filled from `seed + i`) as job 1, and
+/// waits for it to succeed.
+fn store_chunks(tier: &mut ObjTier, mem: &VecSlotMemory, n: u32, seed: u64) {
+    let chunks: Vec<_> = (0..n)
+        .map(|i| {
+            mem.fill(SlotId(i), 6000, seed + u64::from(i));
+            (key(u64::from(i)), SlotId(i), 6000)
+        })
+        .collect();
+    tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
+    assert!(wait(tier, 1, WAIT).is_success());
+}
+
 /// `keys`, each failed for `kind`, as a completion lists them.
 fn failed(keys: &[ChunkKey], kind: TierFailure) -> Vec<FailedKey> {
     keys.iter().map(|&k| FailedKey::new(k, kind)).collect()
@@ -193,14 +206,7 @@ fn damaged_objects_fail_their_key_and_are_deleted() {
     let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
     let mem = memory();
     let mut tier = common::tier(common::config(), store.clone(), mem.clone());
-    let chunks: Vec<_> = (0..4u32)
-        .map(|i| {
-            mem.fill(SlotId(i), 6000, 200 + u64::from(i));
-            (key(u64::from(i)), SlotId(i), 6000)
-        })
-        .collect();
-    tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
-    assert!(wait(&mut tier, 1, WAIT).is_success());
+    store_chunks(&mut tier, &mem, 4, 200);
     let path = |i: u64| tier.path_of(key(i));
     let (p0, p1, p2) = (path(0), path(1), path(2));
     block_on(async {
@@ -362,14 +368,7 @@ fn keys_dropped_by_a_load_are_reported_evicted_once() {
     let store: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
     let mem = memory();
     let mut tier = common::tier(common::config(), store.clone(), mem.clone());
-    let chunks: Vec<_> = (0..3u32)
-        .map(|i| {
-            mem.fill(SlotId(i), 6000, 400 + u64::from(i));
-            (key(u64::from(i)), SlotId(i), 6000)
-        })
-        .collect();
-    tier.submit(job(1, TierOp::Store, chunks)).expect("submit");
-    assert!(wait(&mut tier, 1, WAIT).is_success());
+    store_chunks(&mut tier, &mem, 3, 400);
     let mut evicted = Vec::new();
     assert_eq!(tier.take_evicted(&mut evicted), 0);
     assert!(evicted.is_empty(), "stores drop nothing: {evicted:?}");
