@@ -1,9 +1,10 @@
 //! [`FsTier`]: the disk tier's `Tier` implementation. The front end (this type) lives on the
 //! caller's thread and never waits for I/O: lookups answer from the in-memory index, submits go
 //! to the workers through bounded channels, polls drain the completion channel. Stores go to one
-//! writer thread (one sequential append stream for the root), loads to `workers` load threads
-//! (each running the jobs it takes as a pipeline); each of them owns one I/O engine (see the
-//! `worker` module).
+//! writer thread (one sequential append stream for the root), loads to `workers` load threads,
+//! each with its own channel: a load job goes to the first load thread with room for it in its
+//! pipeline budget ([`FsTier::loader_for`]), which runs the jobs it is sent as a pipeline. Each
+//! thread owns one I/O engine (see the `worker` module).
 
 use std::collections::VecDeque;
 use std::fs::{self, File};
@@ -25,6 +26,7 @@ use offload_core::{ChunkKey, JobBook, JobId, Medium, RequestId};
 use crate::config::{EngineChoice, FsTierConfig};
 use crate::direct::{probe_direct, warn};
 use crate::error::FsError;
+use crate::format::file_bytes;
 use crate::io::sync::SyncEngine;
 use crate::io::uring::UringEngine;
 use crate::io::IoEngine;
@@ -47,18 +49,21 @@ pub struct FsTier {
     slot_count: u32,
     slot_bytes: usize,
     jobs_in_flight_max: usize,
-    /// Load jobs, for the load workers.
-    jobs: Option<Sender<Msg>>,
+    /// Load jobs, one channel per load worker (see [`FsTier::loader_for`]).
+    loaders: Option<Vec<Sender<Msg>>>,
+    /// Record bytes of the load jobs sent to each load worker and not completed yet.
+    loader_bytes: Vec<u64>,
+    /// A load worker's pipeline budget ([`FsTierConfig::batch_bytes_max`]).
+    loader_budget: u64,
     /// Store jobs, for the writer.
     stores: Option<Sender<Msg>>,
-    load_workers: usize,
     done: Receiver<TierCompletion>,
     /// Completions received from the workers (checked against `book`) and not yet returned by
     /// `poll`.
     ready: VecDeque<TierCompletion>,
     /// Accepted jobs whose completion was not received from the workers yet, with their keys
     /// and whether a cancel was passed on (offload-core's ledger).
-    book: JobBook,
+    book: JobBook<Option<(usize, u64)>>,
     workers: Vec<JoinHandle<()>>,
     prober: Option<Prober>,
     shut_down: bool,
@@ -206,9 +211,11 @@ impl FsTier {
         let scanned = scan(&layout, policy, &mut shared.index(), &shared.stats)?;
         let engines = create_engines(&config, &shared.stats)?;
         let engine_name = engines.first().map_or("none", |e| e.name());
-        // Room for every job in flight plus one Stop per worker, so sends never block.
-        let (jobs, jobs_rx) =
-            crossbeam_channel::bounded(config.jobs_in_flight_max + config.workers);
+        // Room for every job in flight plus a Stop in each, so sends never block.
+        let (loaders, loader_rxs): (Vec<_>, Vec<_>) = (0..config.workers)
+            .map(|_| crossbeam_channel::bounded(config.jobs_in_flight_max + 1))
+            .unzip();
+        let mut loader_rxs = loader_rxs.into_iter();
         let (stores, stores_rx) = crossbeam_channel::bounded(config.jobs_in_flight_max + 1);
         let (done_tx, done) = crossbeam_channel::bounded(config.jobs_in_flight_max);
         let mut workers = Vec::with_capacity(engines.len());
@@ -233,7 +240,7 @@ impl FsTier {
                     .name("kvtier-fs-writer".to_owned())
                     .spawn(move || worker.run_writer(rx, done_tx))
             } else {
-                let rx = jobs_rx.clone();
+                let rx = loader_rxs.next().unwrap_or_else(crossbeam_channel::never);
                 std::thread::Builder::new()
                     .name(format!("kvtier-fs-{}", n - 1))
                     .spawn(move || worker.run(rx, done_tx))
@@ -242,8 +249,8 @@ impl FsTier {
                 Ok(handle) => workers.push(handle),
                 Err(e) => {
                     let _ = stores.send(Msg::Stop);
-                    for _ in &workers {
-                        let _ = jobs.send(Msg::Stop);
+                    for loader in &loaders {
+                        let _ = loader.send(Msg::Stop);
                     }
                     for handle in workers {
                         let _ = handle.join();
@@ -270,9 +277,10 @@ impl FsTier {
             slot_count: memory.slot_count(),
             slot_bytes: memory.slot_bytes(),
             jobs_in_flight_max: config.jobs_in_flight_max,
-            jobs: Some(jobs),
+            loader_bytes: vec![0; loaders.len()],
+            loaders: Some(loaders),
+            loader_budget: config.batch_bytes_max as u64,
             stores: Some(stores),
-            load_workers: config.workers,
             done,
             ready: VecDeque::new(),
             book: JobBook::new(config.jobs_in_flight_max),
@@ -363,6 +371,12 @@ impl FsTier {
         self.shared.index().take_removed(out)
     }
 
+    /// The load worker a load job of `bytes` record bytes goes to ([`pick_loader`] over the
+    /// record bytes each worker was sent and has not completed yet).
+    fn loader_for(&self, bytes: u64) -> usize {
+        pick_loader(&self.loader_bytes, self.loader_budget, bytes)
+    }
+
     /// Checks a job against the host pool and the jobs in flight.
     fn check(&self, job: &TierJob) -> Result<(), SubmitError> {
         if self.book.contains(job.id) {
@@ -393,7 +407,12 @@ impl FsTier {
     /// never handed out.
     fn arrived(&mut self, completion: TierCompletion) {
         match self.book.complete(&completion) {
-            Ok(_) => self.ready.push_back(completion),
+            Ok(booked) => {
+                if let Some((n, bytes)) = booked.value {
+                    self.loader_bytes[n] -= bytes;
+                }
+                self.ready.push_back(completion);
+            }
             Err(e) => {
                 add(&self.shared.stats.invariant_failures, 1);
                 crate::direct::warn(&self.shared.stats, self.quiet, &format!("fs tier: {e}"));
@@ -405,6 +424,7 @@ impl FsTier {
     /// The worker is gone: completes every job still waiting for it with all keys failed (the
     /// worker no longer touches any slot).
     fn fail_orphans(&mut self) {
+        self.loader_bytes.fill(0);
         for (completion, _) in self.book.fail_where(TierFailure::TierDown, |_, _| true) {
             for _ in &completion.failed {
                 self.shared.stats.fail(FailureKind::Unavailable);
@@ -431,9 +451,9 @@ impl FsTier {
         if let Some(stores) = self.stores.take() {
             let _ = stores.send(Msg::Stop);
         }
-        if let Some(jobs) = self.jobs.take() {
-            for _ in 0..self.load_workers {
-                let _ = jobs.send(Msg::Stop);
+        if let Some(loaders) = self.loaders.take() {
+            for loader in loaders {
+                let _ = loader.send(Msg::Stop);
             }
         }
         let mut running: Vec<JoinHandle<()>> = self.workers.drain(..).collect();
@@ -483,6 +503,26 @@ fn detect_direct(
     }
 }
 
+/// Which load worker a load job of `bytes` record bytes goes to, given the record bytes of the
+/// jobs sent to each worker and not completed yet (`in_flight`) and a worker's pipeline budget
+/// (`budget`, [`FsTierConfig::batch_bytes_max`]): the first worker with room for the job in its
+/// budget (or with nothing in flight), else the one with the fewest bytes in flight (the
+/// first of those). So the first worker runs the load while it keeps up, and the others take
+/// jobs only when it has its fill (or runs a large job alone): no more threads are busy than
+/// the load needs, and their read buffers stay warm. Sending each job to whichever worker was
+/// idle spread the jobs over every worker, each reading one record at a time and competing
+/// for the cores (`docs/perf.md`, disk tier). 0 if there are no workers.
+fn pick_loader(in_flight: &[u64], budget: u64, bytes: u64) -> usize {
+    in_flight
+        .iter()
+        .position(|&b| b == 0 || b.saturating_add(bytes) <= budget)
+        .unwrap_or_else(|| {
+            (0..in_flight.len())
+                .min_by_key(|&n| in_flight[n])
+                .unwrap_or(0)
+        })
+}
+
 impl Tier for FsTier {
     fn name(&self) -> &str {
         "fs"
@@ -515,18 +555,32 @@ impl Tier for FsTier {
         if in_flight >= self.jobs_in_flight_max {
             return Err(SubmitError::Busy { in_flight });
         }
-        let queue = match job.op {
-            TierOp::Store => &self.stores,
-            TierOp::Load => &self.jobs,
-        };
-        let Some(jobs) = queue else {
-            return Err(SubmitError::ShutDown);
-        };
         let id = job.id;
         let keys: Vec<ChunkKey> = job.chunks.iter().map(|c| c.key).collect();
-        match jobs.try_send(Msg::Job(job)) {
+        let (queue, value) = match job.op {
+            TierOp::Store => (self.stores.as_ref(), None),
+            TierOp::Load => {
+                let bytes = job
+                    .chunks
+                    .iter()
+                    .map(|c| file_bytes(u64::from(c.len)))
+                    .fold(0, u64::saturating_add);
+                let n = self.loader_for(bytes);
+                let queue = self.loaders.as_ref().and_then(|l| l.get(n));
+                (queue, Some((n, bytes)))
+            }
+        };
+        let Some(queue) = queue else {
+            return Err(SubmitError::ShutDown);
+        };
+        match queue.try_send(Msg::Job(job)) {
             // Checked above (fewer than the most in flight, a fresh id): this cannot refuse.
-            Ok(()) => self.book.insert_keys(id, keys, ()),
+            Ok(()) => {
+                if let Some((n, bytes)) = value {
+                    self.loader_bytes[n] += bytes;
+                }
+                self.book.insert_keys(id, keys, value)
+            }
             Err(TrySendError::Full(_)) => Err(SubmitError::Busy { in_flight }),
             Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShutDown),
         }
@@ -611,5 +665,44 @@ impl Tier for FsTier {
 impl Drop for FsTier {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pick_loader;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn loads_go_to_the_first_worker_while_it_has_room() {
+        let budget = 64 * MIB;
+        // Nothing in flight anywhere: the first worker.
+        assert_eq!(pick_loader(&[0, 0, 0, 0], budget, 8 * MIB), 0);
+        // The first worker still has room: it takes the job, the others stay idle.
+        assert_eq!(pick_loader(&[56 * MIB, 0, 0, 0], budget, 8 * MIB), 0);
+        // One byte over its budget: the next worker with room.
+        assert_eq!(pick_loader(&[56 * MIB + 1, 0, 0, 0], budget, 8 * MIB), 1);
+        assert_eq!(
+            pick_loader(&[64 * MIB, 60 * MIB, 8 * MIB, 0], budget, 8 * MIB),
+            2
+        );
+    }
+
+    #[test]
+    fn a_job_over_the_budget_goes_to_an_idle_worker_then_the_least_loaded() {
+        let budget = 64 * MIB;
+        // Too large for any budget: the first worker with nothing in flight runs it alone.
+        assert_eq!(pick_loader(&[8 * MIB, 0, 0], budget, 100 * MIB), 1);
+        // Every worker full: the least loaded one (the first of equals).
+        assert_eq!(
+            pick_loader(&[64 * MIB, 40 * MIB, 60 * MIB], budget, 32 * MIB),
+            1
+        );
+        assert_eq!(pick_loader(&[64 * MIB, 64 * MIB], budget, 32 * MIB), 0);
+        // No workers: 0 (the caller finds no channel and reports the tier shut down).
+        assert_eq!(pick_loader(&[], budget, MIB), 0);
+        // Byte counts near the top do not overflow.
+        assert_eq!(pick_loader(&[u64::MAX, 1], budget, u64::MAX), 1);
     }
 }

@@ -142,11 +142,12 @@ impl Worker {
         retries
     }
 
-    /// Fills the store records of `items` that are still to be filled, just before their
-    /// submission, and submits the operations in groups of at least [`SUBMIT_BYTES_MIN`] bytes,
-    /// each one's `Pending` in `waiting` under its tag (so the disk writes the first records while
-    /// later ones are copied and checksummed). Injected errors, unfilled records and refused
-    /// submissions go to `results`. Returns how many operations the engine took.
+    /// Fills the store records of `items` that are still to be filled and gives the reads that
+    /// carry no buffer yet theirs, just before their submission, and submits the operations in
+    /// groups of at least [`SUBMIT_BYTES_MIN`] bytes, each one's `Pending` in `waiting` under its
+    /// tag (so the disk writes the first records while later ones are copied and checksummed).
+    /// Injected errors, unfilled records, buffers that cannot be had and refused submissions go
+    /// to `results`. Returns how many operations the engine took.
     pub(super) fn fill_and_submit(
         &mut self,
         items: Vec<(Pending, Ready)>,
@@ -160,6 +161,7 @@ impl Worker {
         for (n, (pending, ready)) in items.into_iter().enumerate() {
             let (pending, ready) = match ready {
                 Ready::Fill(buf) => self.fill_record(pending, buf),
+                Ready::Take(op) => (pending, self.take_buffer(op)),
                 other => (pending, other),
             };
             match ready {
@@ -167,6 +169,11 @@ impl Worker {
                 Ready::Fill(buf) => {
                     results.push((pending, Err(io::Error::other("record left unfilled")), buf))
                 }
+                Ready::Take(op) => results.push((
+                    pending,
+                    Err(io::Error::other("read left without a buffer")),
+                    op.buf,
+                )),
                 Ready::Op(op) => {
                     ops_bytes += op.len;
                     waiting.insert(op.tag, pending);
@@ -179,6 +186,18 @@ impl Worker {
             }
         }
         submitted
+    }
+
+    /// `op` with the buffer it was checked for, from the pool (an allocation failure stands as
+    /// its completion).
+    fn take_buffer(&mut self, mut op: IoOp) -> Ready {
+        match self.pool.get(op.buf_len()) {
+            Ok(buf) => {
+                op.buf = buf;
+                Ready::Op(op)
+            }
+            Err(error) => Ready::Injected(error, op.buf),
+        }
     }
 
     /// Submits `ops`; returns how many the engine took (a refused group fails its items).

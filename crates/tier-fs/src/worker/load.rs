@@ -11,9 +11,10 @@ impl Worker {
     /// while the record bytes of the jobs it runs stay under `batch_bytes_max` (their reads go
     /// out at once, merged where records lie one after another), reaps reads as they complete
     /// (verifying each record and copying it into its slot), and finishes each job as soon as
-    /// all of its reads completed. So one worker keeps the disk busy with several jobs' reads,
-    /// and the other load workers wait on the channel instead of each running one job: no more
-    /// threads are busy than the load needs. Waits for a job only when nothing is in flight. A
+    /// all of its reads completed. So one worker keeps the disk busy with several jobs' reads;
+    /// the tier sends jobs to the other load workers only when this one has its fill (each
+    /// worker has its own channel), so no more threads are busy than the load needs. Waits for
+    /// a job only when nothing is in flight. A
     /// job too large to run beside others (over `batch_bytes_max`, or [`BATCH_OPS_MAX`]
     /// records) runs alone, batch by batch, after the jobs in flight finished; so does a store
     /// job (which the tier sends to the writer). Returns after `Stop` (or the front end is
@@ -47,13 +48,13 @@ impl Worker {
     /// Starts queued load jobs: waits for one if the worker has nothing to do, else takes those
     /// already queued while the running jobs' record bytes stay under `batch_bytes_max` and
     /// their reads in flight under what the engine runs at once (a sync engine's threads: the
-    /// jobs beyond are left to the other load workers), returning early when completions are
+    /// jobs beyond wait in this worker's channel), returning early when completions are
     /// ready to send. Returns false once the channel says stop.
     pub(super) fn take_loads(&mut self, jobs: &Receiver<Msg>) -> bool {
         loop {
             let idle = self.loads_running() == 0 && self.finished.is_empty();
             let full = self.load_bytes >= self.settings.batch_bytes_max as u64
-                || self.load_ops.len() >= self.engine.parallel_max();
+                || self.load_reads() >= self.engine.parallel_max();
             if !idle && (full || !self.finished.is_empty()) {
                 return true;
             }
@@ -92,7 +93,7 @@ impl Worker {
         }
         while self.loads_running() > 0
             && (self.load_bytes + bytes > budget
-                || self.load_ops.len() + job.chunks.len() > BATCH_OPS_MAX)
+                || self.load_reads() + job.chunks.len() > BATCH_OPS_MAX)
         {
             self.load_step();
         }
@@ -145,17 +146,47 @@ impl Worker {
         self.finished.extend(completions);
     }
 
-    /// Submits reads of the running load jobs; handles at once those that complete without the
-    /// engine (injected errors, refused submissions).
+    /// Reads of the running load jobs in flight or queued.
+    pub(super) fn load_reads(&self) -> usize {
+        self.load_ops.len() + self.load_queue.len()
+    }
+
+    /// Queues reads of the running load jobs and submits what the in-flight budget allows.
     pub(super) fn submit_loads(&mut self, items: Vec<(Pending, Ready)>) {
-        if items.is_empty() {
-            return;
+        self.load_queue.extend(items);
+        self.submit_queued_loads();
+    }
+
+    /// Submits queued reads while the reads in flight stay under
+    /// [`LOAD_READ_BYTES_IN_FLIGHT_MAX`] (one always goes when none is in flight); handles at
+    /// once those that complete without the engine (injected errors, refused submissions).
+    pub(super) fn submit_queued_loads(&mut self) {
+        loop {
+            let mut batch = Vec::new();
+            let mut bytes = self.load_ops_bytes;
+            while let Some((pending, _)) = self.load_queue.front() {
+                let next = bytes.saturating_add(pending.bytes);
+                let in_flight = !self.load_ops.is_empty() || !batch.is_empty();
+                if in_flight && next > LOAD_READ_BYTES_IN_FLIGHT_MAX {
+                    break;
+                }
+                bytes = next;
+                batch.extend(self.load_queue.pop_front());
+            }
+            if batch.is_empty() {
+                return;
+            }
+            let batch_bytes: u64 = batch.iter().map(|(p, _)| p.bytes).sum();
+            let mut results = Vec::new();
+            let mut waiting = std::mem::take(&mut self.load_ops);
+            self.fill_and_submit(batch, &mut waiting, &mut results);
+            self.load_ops = waiting;
+            let not_sent: u64 = results.iter().map(|(p, _, _)| p.bytes).sum();
+            self.load_ops_bytes += batch_bytes - not_sent;
+            // Retries these ask for join the queue (and may be submitted from within); the
+            // loop ends once nothing is queued or the budget is full.
+            self.loads_done(results);
         }
-        let mut results = Vec::new();
-        let mut waiting = std::mem::take(&mut self.load_ops);
-        self.fill_and_submit(items, &mut waiting, &mut results);
-        self.load_ops = waiting;
-        self.loads_done(results);
     }
 
     /// Hands completed reads of the running load jobs to `load_done` (verify, copy into the
@@ -194,22 +225,37 @@ impl Worker {
         let mut results = Vec::with_capacity(reaped.len());
         for c in reaped {
             match self.load_ops.remove(&c.tag) {
-                Some(pending) => results.push((pending, c.result, c.buf)),
+                Some(pending) => {
+                    self.load_ops_bytes -= pending.bytes;
+                    results.push((pending, c.result, c.buf));
+                }
                 None => self.unknown_tag(c.tag, "read"),
             }
         }
+        // The next reads go to the disk before this worker checks and copies those that
+        // completed, so that the disk is not idle meanwhile.
+        self.submit_queued_loads();
         self.loads_done(results);
         self.finish_loads();
     }
 
-    /// Fails the reads of the running load jobs that the engine still holds (or lost). The
-    /// engine may still use their descriptors: a reference to each is leaked so that its
-    /// number is not reused.
+    /// Fails the reads of the running load jobs that the engine still holds (or lost), and
+    /// those queued behind them (their jobs fail anyway; an engine that loses reads gets no
+    /// more). The engine may still use the descriptors of those it held: a reference to each is
+    /// leaked so that its number is not reused.
     pub(super) fn give_up_load_ops(&mut self) {
         let lost: Vec<_> = self.load_ops.drain().map(|(_, p)| p).collect();
+        self.load_ops_bytes = 0;
+        let queued: Vec<_> = self.load_queue.drain(..).map(|(p, _)| p).collect();
         let stats = &self.shared.stats;
-        for pending in lost {
-            std::mem::forget(Arc::clone(&pending.file));
+        for (pending, held) in lost
+            .into_iter()
+            .map(|p| (p, true))
+            .chain(queued.into_iter().map(|p| (p, false)))
+        {
+            if held {
+                std::mem::forget(Arc::clone(&pending.file));
+            }
             let members = if pending.members.is_empty() {
                 vec![(pending.job, pending.key)]
             } else {
@@ -225,7 +271,10 @@ impl Worker {
     /// are queued and their bytes leave the budget.
     pub(super) fn finish_loads(&mut self) {
         for n in 0..self.loads.len() {
-            if self.loads[n].is_none() || self.load_ops.values().any(|p| p.job == n) {
+            if self.loads[n].is_none()
+                || self.load_ops.values().any(|p| p.job == n)
+                || self.load_queue.iter().any(|(p, _)| p.job == n)
+            {
                 continue;
             }
             let Some(load) = self.loads[n].take() else {
@@ -252,6 +301,9 @@ impl Worker {
             reaped.clear();
         }
         self.load_ops.clear();
+        self.load_ops_bytes = 0;
+        // Never submitted: no kernel or engine thread uses their buffers or slots.
+        self.load_queue.clear();
         for n in 0..self.loads.len() {
             let Some(load) = self.loads[n].take() else {
                 continue;
@@ -305,7 +357,7 @@ impl Worker {
     /// returned as they are.
     pub(super) fn merge_reads(&mut self, items: Vec<(Pending, Ready)>) -> Vec<(Pending, Ready)> {
         let mergeable = |(pending, ready): &(Pending, Ready)| match ready {
-            Ready::Op(op) => {
+            Ready::Take(op) => {
                 op.span.is_none()
                     && op.len as u64 == pending.bytes
                     && !pending.zero_copy
@@ -337,8 +389,8 @@ impl Worker {
         out
     }
 
-    /// Moves `run` (reads of neighbouring records) into `out`: as it is if it is a single read
-    /// (or the merged buffer cannot be had), else as one merged read.
+    /// Moves `run` (reads of neighbouring records) into `out`: as it is if it is a single read,
+    /// else as one merged read.
     pub(super) fn flush_run(
         &mut self,
         run: &mut Vec<(Pending, Ready)>,
@@ -349,17 +401,7 @@ impl Worker {
             return;
         }
         let bytes: u64 = run.iter().map(|(p, _)| p.bytes).sum();
-        let Ok(buf) = self.pool.get(bytes as usize) else {
-            out.append(run);
-            return;
-        };
-        let mut members = Vec::with_capacity(run.len());
-        for (pending, ready) in run.drain(..) {
-            if let Ready::Op(op) = ready {
-                self.pool.put(op.buf);
-            }
-            members.push(pending);
-        }
+        let members: Vec<Pending> = run.drain(..).map(|(pending, _)| pending).collect();
         let first = &members[0];
         let head = Pending {
             job: first.job,
@@ -378,7 +420,7 @@ impl Worker {
             members,
         };
         add(&self.stats().reads_merged, head.members.len() as u64);
-        let ready = self.op_for(OpKind::Read, &head, bytes as usize, buf, None);
+        let ready = self.read_op_for(&head, bytes as usize, None);
         out.push((head, ready));
     }
 
@@ -442,12 +484,6 @@ impl Worker {
         };
         let zero_copy =
             self.settings.zero_copy_loads && direct && self.slot_payload(slot, len).is_some();
-        let buf_bytes = if zero_copy {
-            HEADER_BYTES
-        } else {
-            bytes as usize
-        };
-        let buf = self.pool.get(buf_bytes).map_err(|e| failure_of(&e))?;
         let pending = Pending {
             job,
             key,
@@ -464,7 +500,7 @@ impl Worker {
             zero_copy,
             members: Vec::new(),
         };
-        Ok(self.read_item(pending, buf))
+        Ok(self.read_item(pending))
     }
 
     pub(super) fn open_failed(&self, location: &Location, error: &io::Error) -> FailureKind {
@@ -476,12 +512,10 @@ impl Worker {
         failure_of(error)
     }
 
-    /// The read of a prepared load, with the read faults applied.
-    pub(super) fn read_item(
-        &mut self,
-        mut pending: Pending,
-        mut buf: AlignedBuf,
-    ) -> (Pending, Ready) {
+    /// The read of a prepared load, with the read faults applied; its buffer is taken when it is
+    /// submitted.
+    pub(super) fn read_item(&mut self, mut pending: Pending) -> (Pending, Ready) {
+        let none = || AlignedBuf::with_capacity(0);
         let mut len = pending.bytes as usize;
         match self
             .shared
@@ -489,15 +523,14 @@ impl Worker {
         {
             Some(Fault::Short) => len = short_len(len),
             Some(Fault::Corrupt) => pending.corrupt_after_read = true,
-            Some(fault) => return (pending, Ready::Injected(fault_error(fault), buf)),
+            Some(fault) => return (pending, Ready::Injected(fault_error(fault), none())),
             None => {}
         }
         let span = match self.span_for(&pending, len) {
             Ok(span) => span,
-            Err(e) => return (pending, Ready::Injected(e, buf)),
+            Err(e) => return (pending, Ready::Injected(e, none())),
         };
-        buf.clear();
-        let ready = self.op_for(OpKind::Read, &pending, len, buf, span);
+        let ready = self.read_op_for(&pending, len, span);
         (pending, ready)
     }
 
@@ -535,7 +568,8 @@ impl Worker {
                         pending.file = file;
                         pending.direct = false;
                         pending.retried = true;
-                        retries.push(self.read_item(pending, buf));
+                        self.pool.put(buf);
+                        retries.push(self.read_item(pending));
                     }
                     Err(e) => {
                         self.pool.put(buf);
@@ -615,10 +649,7 @@ impl Worker {
                     }
                 }
             }
-            match self.pool.get(m.bytes as usize) {
-                Ok(buf) => retries.push(self.read_item(m, buf)),
-                Err(e) => failed.add(self.stats(), m.job, m.key, failure_of(&e)),
-            }
+            retries.push(self.read_item(m));
         }
     }
 

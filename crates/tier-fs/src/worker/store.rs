@@ -531,15 +531,50 @@ impl Worker {
         buf: AlignedBuf,
         span: Option<SlotSpan>,
     ) -> Ready {
-        if let Some(what) = self.edge_broken(pending, len, &buf, span.as_ref()) {
+        let capacity = buf.capacity();
+        match self.checked_op(kind, pending, len, buf, capacity, span) {
+            Ok(op) => Ready::Op(op),
+            Err((error, buf)) => Ready::Injected(error, buf),
+        }
+    }
+
+    /// Like [`Worker::op_for`] for a read whose buffer (`len` less the span's length) is taken
+    /// from the pool just before its submission ([`Ready::Take`]): reads queued behind those in
+    /// flight hold no memory, and the pool's buffers go round instead of new ones being
+    /// allocated (and their pages faulted in) for every prepared read.
+    pub(super) fn read_op_for(
+        &mut self,
+        pending: &Pending,
+        len: usize,
+        span: Option<SlotSpan>,
+    ) -> Ready {
+        let capacity = len.saturating_sub(span.as_ref().map_or(0, SlotSpan::len));
+        let none = AlignedBuf::with_capacity(0);
+        match self.checked_op(OpKind::Read, pending, len, none, capacity, span) {
+            Ok(op) => Ready::Take(op),
+            Err((error, buf)) => Ready::Injected(error, buf),
+        }
+    }
+
+    /// The operation of [`Worker::op_for`], checked as if its buffer held `capacity` bytes.
+    fn checked_op(
+        &mut self,
+        kind: OpKind,
+        pending: &Pending,
+        len: usize,
+        buf: AlignedBuf,
+        capacity: usize,
+        span: Option<SlotSpan>,
+    ) -> Result<IoOp, (io::Error, AlignedBuf)> {
+        if let Some(what) = self.edge_broken(pending, len, capacity, span.as_ref()) {
             self.broken(format_args!(
                 "{kind:?} of {:#x}/{} at offset {}: {what}",
                 pending.key.hash, pending.key.group, pending.offset
             ));
             let error = io::Error::other(format!("broken invariant: {what}"));
-            return Ready::Injected(error, buf);
+            return Err((error, buf));
         }
-        Ready::Op(IoOp {
+        Ok(IoOp {
             tag: self.tag(),
             kind,
             fd: std::os::fd::AsRawFd::as_raw_fd(&*pending.file),
@@ -550,26 +585,25 @@ impl Worker {
         })
     }
 
-    /// What is wrong with an operation of `len` bytes through `buf` then `span` on `pending`'s
-    /// record(s), if anything: it moves more than the record length it was planned with
-    /// (`pending.bytes`; an injected short transfer moves less), more than its buffer holds, a
-    /// zero-copy span leaves its slot, or, with O_DIRECT, its offset or its full length is not a
-    /// multiple of [`ALIGN`].
+    /// What is wrong with an operation of `len` bytes through a buffer of `capacity` bytes then
+    /// `span` on `pending`'s record(s), if anything: it moves more than the record length it was
+    /// planned with (`pending.bytes`; an injected short transfer moves less), more than its
+    /// buffer holds, a zero-copy span leaves its slot, or, with O_DIRECT, its offset or its full
+    /// length is not a multiple of [`ALIGN`].
     pub(super) fn edge_broken(
         &self,
         pending: &Pending,
         len: usize,
-        buf: &AlignedBuf,
+        capacity: usize,
         span: Option<&SlotSpan>,
     ) -> Option<String> {
         let span_len = span.map_or(0, SlotSpan::len);
         if len as u64 > pending.bytes {
             return Some(format!("{len} bytes for a record of {}", pending.bytes));
         }
-        if len.saturating_sub(span_len) > buf.capacity() || span_len > len {
+        if len.saturating_sub(span_len) > capacity || span_len > len {
             return Some(format!(
-                "{len} bytes ({span_len} through the slot) over a buffer of {}",
-                buf.capacity()
+                "{len} bytes ({span_len} through the slot) over a buffer of {capacity}"
             ));
         }
         if pending.direct
