@@ -3,7 +3,7 @@
 //! to the workers through bounded channels, polls drain the completion channel. Stores go to one
 //! writer thread (one sequential append stream for the root), loads to `workers` load threads,
 //! each with its own channel: a load job goes to the first load thread with room for it in its
-//! pipeline budget ([`FsTier::loader_for`]), which runs the jobs it is sent as a pipeline. Each
+//! pipeline budget (`pick_loader`), which runs the jobs it is sent as a pipeline. Each
 //! thread owns one I/O engine (see the `worker` module).
 
 use std::collections::VecDeque;
