@@ -5,10 +5,11 @@
 //! 2 MiB, and asked for transparent huge pages (`MADV_HUGEPAGE`) before their first touch. A
 //! direct read or write of a megabyte from 4 KiB pages hands the disk 256 or more separate
 //! segments, more than a virtio disk takes in one request (`max_segments` 254 on the development
-//! machine), so the kernel splits it; from huge pages it is one or two segments. Measured there
-//! (`docs/perf.md`, disk tier): `O_DIRECT` reads of 1028 KiB at 4 KiB past a 1 MiB boundary (the
-//! shape of every record read) ran 1.8 GB/s from 4 KiB pages and 3.0-3.2 GB/s from huge pages.
-//! Where the kernel has no huge page to give (or THP is off), the buffer is ordinary pages.
+//! machine), so the kernel splits it; from huge pages it is one or two segments. Pinning the
+//! pages of each request also costs per page: `strace` showed `io_uring_enter` stalling 10-40 ms
+//! faulting in a fresh 8 MiB buffer's 4 KiB pages. With huge pages both the tier's loads and the
+//! raw `O_DIRECT` ceiling of `kvtier bench fs` ran faster (`docs/perf.md`, disk tier). Where the
+//! kernel has no huge page to give (or THP is off), the buffer is ordinary pages.
 
 use std::alloc::{self, Layout};
 use std::fmt;

@@ -176,7 +176,7 @@ impl Worker {
             if batch.is_empty() {
                 return;
             }
-            let batch_bytes: u64 = batch.iter().map(|(p, _)| p.bytes).sum();
+            let batch_bytes = bytes - self.load_ops_bytes;
             let mut results = Vec::new();
             let mut waiting = std::mem::take(&mut self.load_ops);
             self.fill_and_submit(batch, &mut waiting, &mut results);
@@ -248,14 +248,10 @@ impl Worker {
         self.load_ops_bytes = 0;
         let queued: Vec<_> = self.load_queue.drain(..).map(|(p, _)| p).collect();
         let stats = &self.shared.stats;
-        for (pending, held) in lost
-            .into_iter()
-            .map(|p| (p, true))
-            .chain(queued.into_iter().map(|p| (p, false)))
-        {
-            if held {
-                std::mem::forget(Arc::clone(&pending.file));
-            }
+        for pending in &lost {
+            std::mem::forget(Arc::clone(&pending.file));
+        }
+        for pending in lost.into_iter().chain(queued) {
             let members = if pending.members.is_empty() {
                 vec![(pending.job, pending.key)]
             } else {

@@ -86,12 +86,11 @@ const SUBMIT_BYTES_MIN: usize = 1 << 20;
 const READ_MERGE_BYTES_MAX: u64 = 16 << 20;
 /// The most bytes of reads a load worker keeps in flight (at least one read always goes); the
 /// rest of its running jobs' reads wait in its queue and go as earlier ones complete, before
-/// the worker verifies and copies what completed. Submitting every read of the jobs at hand at
-/// once made a disk that serves requests side by side (the development machine's virtio disk)
-/// finish them all together and then sit idle while the worker checked and copied them all
-/// (`docs/perf.md`, disk tier): loads ran at 1.2-1.8 GiB/s against 2.9 GiB/s for one raw read
-/// at a time. Two merged reads of four 1 MiB records keep such a disk busy while the worker
-/// handles a third.
+/// the worker verifies and copies what completed. So a merged read of up to
+/// [`READ_MERGE_BYTES_MAX`] goes alone, and the next is submitted the moment it completes. On
+/// the development machine's virtio disk, which reads large requests faster one at a time than
+/// side by side, two 8 MiB reads in flight loaded slower than one 16 MiB merged read at a time
+/// (`docs/perf.md`, disk tier).
 const LOAD_READ_BYTES_IN_FLIGHT_MAX: u64 = 8 << 20;
 
 /// The longest an injected stall lasts when nothing releases it (so a test never hangs).
