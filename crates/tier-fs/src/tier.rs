@@ -36,6 +36,14 @@ use crate::scan::{scan, SweepPolicy};
 use crate::stats::{add, FailureKind, FsStats, StatsCell};
 use crate::worker::{Msg, Shared, Worker, WorkerSettings};
 
+/// A load worker is sent this many pipelines' worth of jobs (`batch_bytes_max` each; those
+/// beyond its pipeline wait in its channel) before the next worker gets any. A second worker
+/// only helps when the first cannot keep up with verifying and copying; on the development
+/// machine's disk one worker with jobs queued loaded 4 and 8 MiB chunks at 0.79-1.04 of the raw
+/// ceiling, while the same jobs spread over four workers put their reads at the disk side by
+/// side and loaded 8 MiB chunks at 0.68-0.76 (`docs/perf.md`, disk tier).
+const LOADER_PIPELINES: u64 = 4;
+
 /// How often a shutdown checks whether the worker threads ended.
 const STOP_POLL_INTERVAL: Duration = Duration::from_millis(1);
 
@@ -53,7 +61,8 @@ pub struct FsTier {
     loaders: Option<Vec<Sender<Msg>>>,
     /// Record bytes of the load jobs sent to each load worker and not completed yet.
     loader_bytes: Vec<u64>,
-    /// A load worker's pipeline budget ([`FsTierConfig::batch_bytes_max`]).
+    /// The record bytes of load jobs a load worker is sent before the next gets jobs:
+    /// [`LOADER_PIPELINES`] times its pipeline budget ([`FsTierConfig::batch_bytes_max`]).
     loader_budget: u64,
     /// Store jobs, for the writer.
     stores: Option<Sender<Msg>>,
@@ -279,7 +288,7 @@ impl FsTier {
             jobs_in_flight_max: config.jobs_in_flight_max,
             loader_bytes: vec![0; loaders.len()],
             loaders: Some(loaders),
-            loader_budget: config.batch_bytes_max as u64,
+            loader_budget: (config.batch_bytes_max as u64).saturating_mul(LOADER_PIPELINES),
             stores: Some(stores),
             done,
             ready: VecDeque::new(),

@@ -21,7 +21,7 @@
 //! segment is sealed once every job with a record in it finished, and a new one is created. Load:
 //! a load worker starts a job beside the ones it runs (or, too large for the budget, alone after
 //! them, batch by batch); read each record into an aligned buffer through a cached descriptor of its segment (records that
-//! lie one after another in a segment with one read of all of them, at most 16 MiB), verify header
+//! lie one after another in a segment with one read of all of them, at most 2 MiB), verify header
 //! and checksum, and only then copy the payload into the slot; a record that does not verify leaves
 //! the index (and, in a segment this instance may modify, is covered by a skip record). A merged
 //! read that comes back short reads the records it did not cover again one by one, so only a torn
@@ -82,15 +82,20 @@ const READERS_MAX: usize = 256;
 const SEAL_BYTES: u64 = HEADER_BYTES as u64;
 /// Operations of a batch are submitted in groups of at least this many bytes.
 const SUBMIT_BYTES_MIN: usize = 1 << 20;
-/// The most bytes one merged read of neighbouring records moves.
-const READ_MERGE_BYTES_MAX: u64 = 16 << 20;
+/// The most bytes one merged read of neighbouring records moves. Small records (under 1 MiB)
+/// are merged into reads of up to this size; records of 1 MiB or more are read one by one. On
+/// the development machine's virtio disk (requests split at 4 MiB, `max_sectors_kb`), raw reads
+/// of 16 MiB moved ~25% slower than 1 MiB ones, and loads of 1 and 4 MiB chunks merged into
+/// reads of up to 16 MiB reached 0.70-0.91 of the raw ceiling against 0.90-1.09 read one record
+/// at a time (`docs/perf.md`, disk tier).
+const READ_MERGE_BYTES_MAX: u64 = 2 << 20;
 /// The most bytes of reads a load worker keeps in flight (at least one read always goes); the
 /// rest of its running jobs' reads wait in its queue and go as earlier ones complete, before
-/// the worker verifies and copies what completed. So a merged read of up to
-/// [`READ_MERGE_BYTES_MAX`] goes alone, and the next is submitted the moment it completes. On
-/// the development machine's virtio disk, which reads large requests faster one at a time than
-/// side by side, two 8 MiB reads in flight loaded slower than one 16 MiB merged read at a time
-/// (`docs/perf.md`, disk tier).
+/// the worker verifies and copies what completed. So up to seven 1 MiB records are read side by
+/// side, while 4 and 8 MiB records go one at a time, each submitted the moment the one before
+/// completes. On the development machine's virtio disk, which reads large requests faster one
+/// at a time than side by side, two 8 MiB reads in flight loaded slower than one, and 15 reads
+/// of 1 MiB in flight slower than 7 (`docs/perf.md`, disk tier).
 const LOAD_READ_BYTES_IN_FLIGHT_MAX: u64 = 8 << 20;
 
 /// The longest an injected stall lasts when nothing releases it (so a test never hangs).
