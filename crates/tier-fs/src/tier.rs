@@ -39,10 +39,11 @@ use crate::worker::{Msg, Shared, Worker, WorkerSettings};
 /// A load worker is sent this many pipelines' worth of jobs (`batch_bytes_max` each; those
 /// beyond its pipeline wait in its channel) before the next worker gets any. A second worker
 /// only helps when the first cannot keep up with verifying and copying; on the development
-/// machine's disk one worker with jobs queued loaded 4 and 8 MiB chunks at 0.79-1.04 of the raw
-/// ceiling, while the same jobs spread over four workers put their reads at the disk side by
-/// side and loaded 8 MiB chunks at 0.68-0.76 (`docs/perf.md`, disk tier).
-const LOADER_PIPELINES: u64 = 4;
+/// machine's disk the jobs spread over four workers put their reads at the disk side by side,
+/// which it reads slower: the bench's eight 32 MiB jobs of 8 MiB chunks loaded at 0.75-0.80 of
+/// the raw ceiling with four pipelines' worth per worker (the eighth job spilled to a second
+/// worker) and at 0.87-0.94 with eight (`docs/perf.md`, disk tier).
+const LOADER_PIPELINES: u64 = 8;
 
 /// How often a shutdown checks whether the worker threads ended.
 const STOP_POLL_INTERVAL: Duration = Duration::from_millis(1);
