@@ -58,8 +58,9 @@ pub struct FsTierConfig {
     /// Load worker threads, each with its own I/O engine. Each runs the load jobs it takes as a
     /// pipeline (every queued job while their record bytes stay under `batch_bytes_max`, each
     /// finished as soon as its reads completed). The tier sends a load job to the first of them
-    /// whose jobs in flight leave room for it under `batch_bytes_max`, so one thread usually
-    /// keeps the disk busy and the others get jobs only when it has its fill; more workers than
+    /// whose jobs in flight leave room for it under eight times `batch_bytes_max` (the jobs
+    /// beyond its pipeline wait in its channel), so one thread usually keeps the disk busy and
+    /// the others get jobs only when it has its fill; more workers than
     /// the load needs stay idle instead of competing for the cores. Stores do not use them: one writer thread
     /// (with its own engine) runs every store job, appending to one open segment, so the root
     /// gets one sequential append stream.

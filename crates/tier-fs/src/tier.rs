@@ -2,8 +2,8 @@
 //! caller's thread and never waits for I/O: lookups answer from the in-memory index, submits go
 //! to the workers through bounded channels, polls drain the completion channel. Stores go to one
 //! writer thread (one sequential append stream for the root), loads to `workers` load threads,
-//! each with its own channel: a load job goes to the first load thread with room for it in its
-//! pipeline budget (`pick_loader`), which runs the jobs it is sent as a pipeline. Each
+//! each with its own channel: a load job goes to the first load thread with room for it in eight
+//! pipelines' worth of jobs (`pick_loader`), which runs the jobs it is sent as a pipeline. Each
 //! thread owns one I/O engine (see the `worker` module).
 
 use std::collections::VecDeque;
