@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Runs `kvtier bench manager --compare-vllm` for every capacity and policy of issue 14 and prints
-# one table: kvtier's and vLLM's block_ops/s (median and fastest pass, by the wall clock) and their
-# ratios, then the median passes by thread CPU time and their ratio; each pair measured in the
-# same run.
+# Runs `kvtier bench manager --compare-vllm` for every capacity and policy of issue 14, ROUNDS
+# times each (default 3), and prints one table: per cell, the median over the rounds of kvtier's
+# and vLLM's block_ops/s (median passes, by the wall clock), the median, lowest and highest of the
+# rounds' ratios, and the median ratio by thread CPU time. Each round measures both sides in the
+# same run; several rounds, because vLLM's rate alone moves by up to 1.5x from one run to the next
+# on a shared host, and one round's ratio moves with it.
 #
 # Usage: crates/kvtier/scripts/compare_manager.sh TRACE [PYTHON] [KVTIER_PASSES] [VLLM_PASSES]
 #   PYTHON: a python with vllm installed (see bench_vllm_manager.py's doc); default python3.
-#   CAPACITIES="1024 4096" POLICIES=arc narrow the sweep.
+#   CAPACITIES="1024 4096" POLICIES=arc narrow the sweep; ROUNDS=N sets the rounds per cell.
 set -euo pipefail
 trace=${1:?usage: compare_manager.sh TRACE [PYTHON] [KVTIER_PASSES] [VLLM_PASSES]}
 python=${2:-python3}
@@ -16,22 +18,31 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../../.." && pwd)
 cargo build --release -q -p kvtier --manifest-path "$root/Cargo.toml"
 kvtier="$root/target/release/kvtier"
-printf '%-8s %-4s %11s %11s %9s %9s %7s %7s %11s %9s %7s\n' capacity pol kvtier_M/s kv_best_M/s vllm_M/s vl_best_M/s ratio best cpu_kv_M/s cpu_vl_M/s cpu_rt
+rounds=${ROUNDS:-3}
+case $rounds in '' | *[!0-9]* | 0) echo "compare_manager.sh: ROUNDS must be a whole number of at least 1, not '$rounds'" >&2; exit 2 ;; esac
+printf '%-8s %-4s %6s %11s %9s %7s %7s %7s %7s\n' capacity pol rounds kvtier_M/s vllm_M/s ratio min max cpu_rt
 for c in ${CAPACITIES:-1024 4096 16384 65536}; do
   for p in ${POLICIES:-lru arc}; do
-    "$kvtier" --json bench manager --trace "$trace" --capacity-blocks "$c" --policy "$p" \
-      --passes "$passes" --compare-vllm "$here/bench_vllm_manager.py" --python "$python" \
-      --vllm-passes "$vllm_passes" |
+    # One JSON line per round; each round is one same-run pair (kvtier's passes, then vLLM's).
+    for _ in $(seq "$rounds"); do
+      "$kvtier" --json bench manager --trace "$trace" --capacity-blocks "$c" --policy "$p" \
+        --passes "$passes" --compare-vllm "$here/bench_vllm_manager.py" --python "$python" \
+        --vllm-passes "$vllm_passes" | tr -d '\n'
+      echo
+    done |
       python3 -c '
-import json, sys
-d = json.load(sys.stdin)
-k, v = d["kvtier"], d["vllm"]
-cpu = lambda x: (x or 0.0) / 1e6
-print("%-8d %-4s %11.2f %11.2f %9.3f %9.3f %7.1f %7.1f %11.2f %9.3f %7.1f" % (
-    k["capacity_blocks"], k["policy"], k["block_ops_per_s"] / 1e6,
-    k["best_block_ops_per_s"] / 1e6, v["block_ops_per_s"] / 1e6,
-    v["best_block_ops_per_s"] / 1e6, d["ratio"], d["best_ratio"],
-    cpu(k.get("cpu_block_ops_per_s")), cpu(v.get("cpu_block_ops_per_s")),
-    d.get("cpu_ratio") or 0.0))'
+import json, statistics, sys
+rounds = [json.loads(line) for line in sys.stdin if line.strip()]
+if not rounds:
+    sys.exit("compare_manager.sh: no round produced a result")
+med = lambda xs: statistics.median(xs)
+k = rounds[0]["kvtier"]
+ratios = [d["ratio"] for d in rounds]
+print("%-8d %-4s %6d %11.2f %9.3f %7.1f %7.1f %7.1f %7.1f" % (
+    k["capacity_blocks"], k["policy"], len(rounds),
+    med([d["kvtier"]["block_ops_per_s"] for d in rounds]) / 1e6,
+    med([d["vllm"]["block_ops_per_s"] for d in rounds]) / 1e6,
+    med(ratios), min(ratios), max(ratios),
+    med([d.get("cpu_ratio") or 0.0 for d in rounds])))'
   done
 done
