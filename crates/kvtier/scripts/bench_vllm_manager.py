@@ -2,7 +2,8 @@
 """Replays a Mooncake-format trace at vLLM's own CPUOffloadingManager, with the semantics of
 `kvtier bench manager` (crates/kvtier/src/bench_manager.rs), and prints block operations per
 second as one JSON object. `kvtier bench manager --compare-vllm THIS_SCRIPT` runs it in the same
-run as the Rust manager and prints the ratio.
+run as the Rust manager, in its --serve mode (one pass per request, so that the Rust side runs
+its passes between vLLM's), and prints the ratios.
 
 Per request with keys k[0..n): lookup k[0], k[1], ... until the first key that is not a hit (h
 hits); if h > 0, prepare_load(k[:h]) then complete_load(k[:h]); touch(k); if h < n,
@@ -177,6 +178,11 @@ def main():
                    default="auto")
     p.add_argument("--request-lifecycle", action="store_true",
                    help="also call on_new_request/on_request_finished per request")
+    p.add_argument("--serve", action="store_true",
+                   help="print a greeting line, then run one pass per 'pass' line read from "
+                        "stdin and print one JSON line for it (elapsed_s, cpu_s and the "
+                        "counts), until stdin closes; kvtier bench manager --compare-vllm "
+                        "uses this to interleave its passes with vLLM's")
     args = p.parse_args()
     if args.capacity_blocks < 1 or args.passes < 1:
         sys.exit("bench_vllm_manager: --capacity-blocks and --passes must be at least 1")
@@ -186,10 +192,8 @@ def main():
     # Keys are built once, before any timer: an 8-byte block hash per hash id, KV group 0.
     requests = [[v.make_offload_key(h.to_bytes(8, "big"), 0) for h in r] for r in ids]
 
-    times = []
-    cpu_times = []
-    first = None
-    for _ in range(args.passes):
+    def one_pass():
+        """A pass on a fresh manager made before its timer starts: (wall s, CPU s, counts)."""
         manager = v.CPUOffloadingManager(
             num_chunks=args.capacity_blocks,
             cache_policy=args.policy,
@@ -199,8 +203,27 @@ def main():
         cpu_start = time.thread_time()
         start = time.perf_counter()
         counts = replay(v, manager, requests, args.request_lifecycle)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.thread_time() - cpu_start)
+        return time.perf_counter() - start, time.thread_time() - cpu_start, counts
+
+    if args.serve:
+        print(json.dumps({"vllm_version": version, "import": mode,
+                          "requests": len(requests)}), flush=True)
+        for line in sys.stdin:
+            if line.strip() != "pass":
+                sys.exit(f"bench_vllm_manager: --serve reads 'pass' lines, not {line!r}")
+            elapsed, cpu, (hit_blocks, block_ops, store_failures) = one_pass()
+            print(json.dumps({"elapsed_s": elapsed, "cpu_s": cpu, "hit_blocks": hit_blocks,
+                              "block_ops": block_ops, "store_failures": store_failures}),
+                  flush=True)
+        return
+
+    times = []
+    cpu_times = []
+    first = None
+    for _ in range(args.passes):
+        elapsed, cpu, counts = one_pass()
+        times.append(elapsed)
+        cpu_times.append(cpu)
         if first is None:
             first = counts
         elif counts != first:

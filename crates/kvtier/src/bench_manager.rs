@@ -8,10 +8,11 @@
 //! handed to each of these calls (lookups including the first miss). These semantics are the
 //! ones other implementations are compared with on the same trace; do not change them.
 //!
-//! [`run_vllm`] runs `crates/kvtier/scripts/bench_vllm_manager.py`, which replays the same trace
-//! with the same semantics at vLLM's own `CPUOffloadingManager` (imported from an installed vllm,
-//! never copied), so `kvtier bench manager --compare-vllm SCRIPT` gives both numbers and their
-//! ratio from one run.
+//! [`compare_vllm`] runs `crates/kvtier/scripts/bench_vllm_manager.py`, which replays the same
+//! trace with the same semantics at vLLM's own `CPUOffloadingManager` (imported from an installed
+//! vllm, never copied), one pass at a time between blocks of kvtier's passes, so `kvtier bench
+//! manager --compare-vllm SCRIPT` gives both numbers and their ratios from one run, each vLLM
+//! pass paired with the kvtier passes run just before and after it.
 //!
 //! Each pass is timed by the wall clock and by the thread's CPU time. On a shared machine the
 //! wall clock also counts the time other processes held the core (the passes here take
@@ -207,18 +208,21 @@ pub fn bench_pool(config: &ManagerBenchConfig) -> Result<HostPool, CoreError> {
     })
 }
 
-/// Runs `config.passes` passes, each on a fresh pool created before its timer starts.
-/// `progress` hears after each pass.
-pub fn run(
-    trace: &ManagerTrace,
-    config: &ManagerBenchConfig,
-    progress: &mut dyn FnMut(&str),
-) -> Result<ManagerBenchReport, CoreError> {
-    let passes = config.passes.max(1);
-    let mut times = Vec::with_capacity(passes as usize);
-    let mut cpu_times = Vec::with_capacity(passes as usize);
-    let mut first: Option<PassCounts> = None;
-    for p in 0..passes {
+/// The kvtier passes of one run so far: their times, and the counts every pass must repeat.
+#[derive(Debug, Default)]
+struct Passes {
+    times: Vec<f64>,
+    cpu_times: Vec<Option<f64>>,
+    first: Option<PassCounts>,
+}
+
+impl Passes {
+    /// Runs one pass on a fresh pool created before its timer starts; returns its seconds.
+    fn run_one(
+        &mut self,
+        trace: &ManagerTrace,
+        config: &ManagerBenchConfig,
+    ) -> Result<f64, CoreError> {
         let mut pool = bench_pool(config)?;
         let longest = trace.longest_request();
         let mut scratch = Scratch {
@@ -232,56 +236,85 @@ pub fn run(
         let start = Instant::now();
         let counts = replay(&mut pool, trace, &mut scratch)?;
         let elapsed = start.elapsed().as_secs_f64();
-        cpu_times.push(cpu_start.and_then(|t| t.try_elapsed().ok()));
+        self.cpu_times.push(
+            cpu_start
+                .and_then(|t| t.try_elapsed().ok())
+                .map(|d| d.as_secs_f64()),
+        );
         std::hint::black_box(&pool);
-        times.push(elapsed);
-        match first {
-            None => first = Some(counts),
+        self.times.push(elapsed);
+        match self.first {
+            None => self.first = Some(counts),
             Some(c) if c != counts => {
                 return Err(CoreError::InvalidConfig {
                     key: "passes",
                     reason: format!(
-                        "pass {p} counted {counts:?}, pass 0 {c:?}: the replay is not deterministic"
+                        "pass {} counted {counts:?}, pass 0 {c:?}: the replay is not deterministic",
+                        self.times.len() - 1
                     ),
                 })
             }
             Some(_) => {}
         }
+        Ok(elapsed)
+    }
+
+    /// The report of the passes run.
+    fn report(&self, trace: &ManagerTrace, config: &ManagerBenchConfig) -> ManagerBenchReport {
+        let counts = self.first.unwrap_or_default();
+        let per_s = |t: f64| rate(counts.block_ops, t);
+        let (elapsed_s, fastest_s) = median_and_least(&self.times);
+        // Every pass has a thread CPU time, or none is reported.
+        let cpu_times: Vec<f64> = self
+            .cpu_times
+            .iter()
+            .copied()
+            .collect::<Option<_>>()
+            .unwrap_or_default();
+        let cpu = (!cpu_times.is_empty()).then(|| median_and_least(&cpu_times));
+        ManagerBenchReport {
+            policy: config.policy.name().into(),
+            capacity_blocks: config.capacity_blocks,
+            requests: trace.requests() as u64,
+            total_blocks: trace.total_blocks() as u64,
+            hit_blocks: counts.hit_blocks,
+            block_ops: counts.block_ops,
+            store_failures: counts.store_failures,
+            elapsed_s,
+            block_ops_per_s: per_s(elapsed_s),
+            best_block_ops_per_s: per_s(fastest_s),
+            passes: self.times.len() as u32,
+            pass_elapsed_s: self.times.clone(),
+            cpu_block_ops_per_s: cpu.map(|(median, _)| per_s(median)),
+            best_cpu_block_ops_per_s: cpu.map(|(_, least)| per_s(least)),
+            pass_cpu_s: cpu_times,
+        }
+    }
+}
+
+/// `ops` over `seconds` (0 for no time).
+fn rate(ops: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        ops as f64 / seconds
+    } else {
+        0.0
+    }
+}
+
+/// Runs `config.passes` passes, each on a fresh pool created before its timer starts.
+/// `progress` hears after each pass.
+pub fn run(
+    trace: &ManagerTrace,
+    config: &ManagerBenchConfig,
+    progress: &mut dyn FnMut(&str),
+) -> Result<ManagerBenchReport, CoreError> {
+    let passes = config.passes.max(1);
+    let mut done = Passes::default();
+    for p in 0..passes {
+        let elapsed = done.run_one(trace, config)?;
         progress(&format!("pass {}/{passes}: {elapsed:.4} s", p + 1));
     }
-    let counts = first.unwrap_or_default();
-    let per_s = |t: f64| {
-        if t > 0.0 {
-            counts.block_ops as f64 / t
-        } else {
-            0.0
-        }
-    };
-    let (elapsed_s, fastest_s) = median_and_least(&times);
-    // Every pass has a thread CPU time, or none is reported.
-    let cpu_times: Vec<f64> = cpu_times
-        .into_iter()
-        .map(|t| t.map(|d| d.as_secs_f64()))
-        .collect::<Option<_>>()
-        .unwrap_or_default();
-    let cpu = (!cpu_times.is_empty()).then(|| median_and_least(&cpu_times));
-    Ok(ManagerBenchReport {
-        policy: config.policy.name().into(),
-        capacity_blocks: config.capacity_blocks,
-        requests: trace.requests() as u64,
-        total_blocks: trace.total_blocks() as u64,
-        hit_blocks: counts.hit_blocks,
-        block_ops: counts.block_ops,
-        store_failures: counts.store_failures,
-        elapsed_s,
-        block_ops_per_s: per_s(elapsed_s),
-        best_block_ops_per_s: per_s(fastest_s),
-        passes,
-        pass_elapsed_s: times,
-        cpu_block_ops_per_s: cpu.map(|(median, _)| per_s(median)),
-        best_cpu_block_ops_per_s: cpu.map(|(_, least)| per_s(least)),
-        pass_cpu_s: cpu_times,
-    })
+    Ok(done.report(trace, config))
 }
 
 /// The median pass time and the least one.
@@ -331,62 +364,338 @@ pub struct ManagerComparison {
     pub cpu_ratio: Option<f64>,
     /// The fastest passes' ratio by thread CPU time.
     pub best_cpu_ratio: Option<f64>,
+    /// One ratio per vLLM pass: kvtier's block_ops/s over the kvtier passes run just before and
+    /// just after it (their median time) over that vLLM pass's. Both sides of each ratio ran
+    /// within about a second of each other, so a change of the machine's speed during the run
+    /// (other tenants, clock changes) moves both; see [`compare_vllm`].
+    pub pass_ratios: Vec<f64>,
+    /// The median of [`ManagerComparison::pass_ratios`]: the steadiest of the ratios here.
+    pub paired_ratio: f64,
+    /// The lowest of [`ManagerComparison::pass_ratios`].
+    pub paired_ratio_min: f64,
+    /// The highest of [`ManagerComparison::pass_ratios`].
+    pub paired_ratio_max: f64,
+    /// As [`ManagerComparison::paired_ratio`], by thread CPU time, where both sides have it.
+    pub paired_cpu_ratio: Option<f64>,
 }
 
 impl ManagerComparison {
-    /// Pairs two reports of the same trace and settings.
-    pub fn new(kvtier: ManagerBenchReport, vllm: VllmReport) -> Self {
+    /// Pairs two reports of the same trace and settings. `pass_ratios` and `pass_cpu_ratios`
+    /// come from the interleaved run (see [`compare_vllm`]); with none given, the paired ratio
+    /// is the ratio of the median passes.
+    pub fn new(
+        kvtier: ManagerBenchReport,
+        vllm: VllmReport,
+        pass_ratios: Vec<f64>,
+        pass_cpu_ratios: Vec<f64>,
+    ) -> Self {
         let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
         let both = |a: Option<f64>, b: Option<f64>| Some(ratio(a?, b?));
+        let median_ratio = ratio(kvtier.block_ops_per_s, vllm.block_ops_per_s);
+        let (paired_ratio, paired_ratio_min, paired_ratio_max) = if pass_ratios.is_empty() {
+            (median_ratio, median_ratio, median_ratio)
+        } else {
+            let (med, least) = median_and_least(&pass_ratios);
+            let most = pass_ratios
+                .iter()
+                .copied()
+                .fold(f64::NEG_INFINITY, f64::max);
+            (med, least, most)
+        };
+        let paired_cpu_ratio = (!pass_cpu_ratios.is_empty())
+            .then(|| offload_core::bench::median(&mut pass_cpu_ratios.clone()));
         Self {
-            ratio: ratio(kvtier.block_ops_per_s, vllm.block_ops_per_s),
+            ratio: median_ratio,
             best_ratio: ratio(kvtier.best_block_ops_per_s, vllm.best_block_ops_per_s),
             cpu_ratio: both(kvtier.cpu_block_ops_per_s, vllm.cpu_block_ops_per_s),
             best_cpu_ratio: both(
                 kvtier.best_cpu_block_ops_per_s,
                 vllm.best_cpu_block_ops_per_s,
             ),
+            pass_ratios,
+            paired_ratio,
+            paired_ratio_min,
+            paired_ratio_max,
+            paired_cpu_ratio,
             kvtier,
             vllm,
         }
     }
 }
 
-/// Runs the vLLM replay script `script` with `python` on the same trace and settings (`passes`
-/// passes of its own) and reads its one-line JSON report.
-pub fn run_vllm(
-    python: &Path,
-    script: &Path,
-    trace: &Path,
+/// What failed in a comparison run.
+#[derive(Debug)]
+pub enum CompareError {
+    /// kvtier's own passes (bad settings, a replay that is not deterministic).
+    Kvtier(CoreError),
+    /// The vLLM script: could not start, failed, or broke the protocol.
+    Vllm(String),
+}
+
+impl std::fmt::Display for CompareError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompareError::Kvtier(e) => write!(f, "{e}"),
+            CompareError::Vllm(e) => f.write_str(e),
+        }
+    }
+}
+
+/// The first line of the script's serve mode.
+#[derive(serde::Deserialize)]
+struct VllmHello {
+    vllm_version: String,
+    import: String,
+}
+
+/// One pass as the script's serve mode reports it.
+#[derive(serde::Deserialize)]
+struct VllmPass {
+    elapsed_s: f64,
+    cpu_s: f64,
+    hit_blocks: u64,
+    block_ops: u64,
+    store_failures: u64,
+}
+
+/// The vLLM script running in its serve mode: one pass per `pass` line on its input, one JSON
+/// line per pass on its output; it exits when its input closes.
+struct VllmServer {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    stderr: Option<std::thread::JoinHandle<String>>,
+    what: String,
+}
+
+impl VllmServer {
+    fn start(
+        python: &Path,
+        script: &Path,
+        trace: &Path,
+        limit: Option<usize>,
+        config: &ManagerBenchConfig,
+    ) -> Result<(Self, VllmHello), String> {
+        use std::process::Stdio;
+        let mut cmd = Command::new(python);
+        cmd.arg(script)
+            .arg("--trace")
+            .arg(trace)
+            .arg("--capacity-blocks")
+            .arg(config.capacity_blocks.to_string())
+            .arg("--policy")
+            .arg(config.policy.name())
+            .arg("--serve");
+        if let Some(n) = limit {
+            cmd.arg("--limit").arg(n.to_string());
+        }
+        let what = format!("{} {}", python.display(), script.display());
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run {what}: {e}"))?;
+        let (Some(stdin), Some(stdout), Some(mut err)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("{what}: started without its pipes"));
+        };
+        // Drained on a thread, so that a chatty stderr never blocks the script.
+        let stderr = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut err, &mut text);
+            text
+        });
+        let mut server = Self {
+            child,
+            stdin: Some(stdin),
+            stdout: std::io::BufReader::new(stdout),
+            stderr: Some(stderr),
+            what,
+        };
+        let hello = server.read_reply("its serve-mode greeting")?;
+        Ok((server, hello))
+    }
+
+    /// Reads lines until a JSON object, parsed as `T` (other lines are skipped). A closed
+    /// output means the script ended: its exit status and last stderr line make the error.
+    fn read_reply<T: serde::de::DeserializeOwned>(&mut self, wanted: &str) -> Result<T, String> {
+        use std::io::BufRead;
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = self
+                .stdout
+                .read_line(&mut line)
+                .map_err(|e| format!("{}: reading {wanted}: {e}", self.what))?;
+            if n == 0 {
+                return Err(self.ended(wanted));
+            }
+            let text = line.trim();
+            if text.starts_with('{') {
+                return serde_json::from_str(text)
+                    .map_err(|e| format!("{} printed no {wanted} ({e}): {text:?}", self.what));
+            }
+        }
+    }
+
+    /// The error for a script that ended before `wanted`.
+    fn ended(&mut self, wanted: &str) -> String {
+        self.stdin = None;
+        let status = self
+            .child
+            .wait()
+            .map_or_else(|e| format!("wait failed: {e}"), |s| s.to_string());
+        let err = self
+            .stderr
+            .take()
+            .and_then(|h| h.join().ok())
+            .unwrap_or_default();
+        let last = err.lines().last().unwrap_or("").trim();
+        format!("{} failed ({status}) before {wanted}: {last}", self.what)
+    }
+
+    /// Asks for one pass and reads its report.
+    fn pass(&mut self) -> Result<VllmPass, String> {
+        use std::io::Write;
+        let sent = match self.stdin.as_mut() {
+            Some(stdin) => writeln!(stdin, "pass").and_then(|()| stdin.flush()).is_ok(),
+            None => false,
+        };
+        if !sent {
+            return Err(self.ended("a pass"));
+        }
+        self.read_reply("a pass")
+    }
+
+    /// Closes its input (the script then exits) and checks that it exited cleanly.
+    fn finish(mut self) -> Result<(), String> {
+        self.stdin = None;
+        let status = self
+            .child
+            .wait()
+            .map_err(|e| format!("{}: {e}", self.what))?;
+        if status.success() {
+            let _ = self.stderr.take().map(|h| h.join());
+            Ok(())
+        } else {
+            Err(self.ended("a clean exit"))
+        }
+    }
+}
+
+impl Drop for VllmServer {
+    fn drop(&mut self) {
+        // An error path: the script is not needed any more.
+        if self.stderr.is_some() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// kvtier's passes and vLLM's on the same trace and settings, interleaved: `config.passes`
+/// kvtier passes (at least `vllm_passes + 1`) in `vllm_passes + 1` blocks, with one vLLM pass
+/// (the script `script` run by `python` in its serve mode, on the trace file `trace_path` with
+/// `limit`) between each two blocks. Each vLLM pass is paired with the kvtier blocks before and
+/// after it ([`ManagerComparison::pass_ratios`]). On a shared host both sides' speed moves by up
+/// to 2x within seconds; run one after the other, such a change showed up as a change of the
+/// ratio. `progress` hears before each vLLM pass.
+#[allow(clippy::too_many_arguments)]
+pub fn compare_vllm(
+    trace: &ManagerTrace,
+    trace_path: &Path,
     limit: Option<usize>,
     config: &ManagerBenchConfig,
-    passes: u32,
-) -> Result<VllmReport, String> {
-    let mut cmd = Command::new(python);
-    cmd.arg(script)
-        .arg("--trace")
-        .arg(trace)
-        .arg("--capacity-blocks")
-        .arg(config.capacity_blocks.to_string())
-        .arg("--policy")
-        .arg(config.policy.name())
-        .arg("--passes")
-        .arg(passes.max(1).to_string());
-    if let Some(n) = limit {
-        cmd.arg("--limit").arg(n.to_string());
+    python: &Path,
+    script: &Path,
+    vllm_passes: u32,
+    progress: &mut dyn FnMut(&str),
+) -> Result<ManagerComparison, CompareError> {
+    let vllm_passes = vllm_passes.max(1) as usize;
+    let blocks = vllm_passes + 1;
+    let kvtier_passes = (config.passes as usize).max(blocks);
+    // Block b runs kvtier passes [bounds(b), bounds(b + 1)): none is empty.
+    let bounds = |b: usize| kvtier_passes * b / blocks;
+    // A bad setting fails before Python starts.
+    bench_pool(config).map_err(CompareError::Kvtier)?;
+    let (mut server, hello) =
+        VllmServer::start(python, script, trace_path, limit, config).map_err(CompareError::Vllm)?;
+    let mut kvtier = Passes::default();
+    let mut vllm: Vec<VllmPass> = Vec::with_capacity(vllm_passes);
+    for b in 0..blocks {
+        for _ in bounds(b)..bounds(b + 1) {
+            kvtier
+                .run_one(trace, config)
+                .map_err(CompareError::Kvtier)?;
+        }
+        if b == vllm_passes {
+            break;
+        }
+        progress(&format!("vLLM pass {}/{vllm_passes}", b + 1));
+        let pass = server.pass().map_err(CompareError::Vllm)?;
+        let counts = |p: &VllmPass| (p.hit_blocks, p.block_ops, p.store_failures);
+        if let Some(first) = vllm.first().filter(|f| counts(f) != counts(&pass)) {
+            return Err(CompareError::Vllm(format!(
+                "{}: vLLM pass {} counted (hit_blocks, block_ops, store_failures) {:?}, its \
+                 first {:?}: the replay is not deterministic",
+                script.display(),
+                b + 1,
+                counts(&pass),
+                counts(first)
+            )));
+        }
+        vllm.push(pass);
     }
-    let what = format!("{} {}", python.display(), script.display());
-    let out = cmd
-        .output()
-        .map_err(|e| format!("cannot run {what}: {e}"))?;
-    if !out.status.success() {
-        let err = String::from_utf8_lossy(&out.stderr);
-        let last = err.lines().last().unwrap_or("").trim();
-        return Err(format!("{what} failed ({}): {last}", out.status));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().last().unwrap_or("");
-    serde_json::from_str(line).map_err(|e| format!("{what} printed no report ({e}): {line:?}"))
+    server.finish().map_err(CompareError::Vllm)?;
+    let report = kvtier.report(trace, config);
+    let times: Vec<f64> = vllm.iter().map(|p| p.elapsed_s).collect();
+    let cpu: Vec<f64> = vllm.iter().map(|p| p.cpu_s).collect();
+    let (median, least) = median_and_least(&times);
+    let (cpu_median, cpu_least) = median_and_least(&cpu);
+    let first = &vllm[0];
+    let ops = first.block_ops;
+    let vllm_report = VllmReport {
+        vllm_version: hello.vllm_version,
+        import: hello.import,
+        hit_blocks: first.hit_blocks,
+        block_ops: ops,
+        store_failures: first.store_failures,
+        block_ops_per_s: rate(ops, median),
+        best_block_ops_per_s: rate(ops, least),
+        pass_elapsed_s: times.clone(),
+        cpu_block_ops_per_s: Some(rate(ops, cpu_median)),
+        best_cpu_block_ops_per_s: Some(rate(ops, cpu_least)),
+    };
+    // vLLM pass i ran between kvtier blocks i and i + 1.
+    let paired = |kvtier_s: &[f64], vllm_s: &[f64]| -> Vec<f64> {
+        (0..vllm_passes)
+            .map(|i| {
+                let (t, _) = median_and_least(&kvtier_s[bounds(i)..bounds(i + 2)]);
+                let v = rate(ops, vllm_s[i]);
+                if v > 0.0 {
+                    rate(report.block_ops, t) / v
+                } else {
+                    0.0
+                }
+            })
+            .collect()
+    };
+    let pass_ratios = paired(&report.pass_elapsed_s, &times);
+    let pass_cpu_ratios = if report.pass_cpu_s.len() == report.pass_elapsed_s.len() {
+        paired(&report.pass_cpu_s, &cpu)
+    } else {
+        Vec::new()
+    };
+    Ok(ManagerComparison::new(
+        report,
+        vllm_report,
+        pass_ratios,
+        pass_cpu_ratios,
+    ))
 }
 
 /// The comparison as lines for people, after the kvtier table.
@@ -395,6 +704,8 @@ pub fn render_comparison(c: &ManagerComparison) -> String {
     text.push_str(&format!(
         "vllm             {} ({} import), {} pass(es), hit_blocks {}, block_ops {}\n\
          vllm_ops_per_s   {:>14.0}  ({:.3} M/s; fastest pass {:.3} M/s)\n\
+         paired_ratio     {:>14.1}  (median of {} vLLM passes, each against the kvtier passes \
+         beside it; lowest {:.1}, highest {:.1}; by thread CPU time {})\n\
          ratio            {:>14.1}  (median passes; fastest passes {:.1})\n\
          cpu_ratio        {:>14}  (by thread CPU time: median passes; fastest passes {})\n",
         c.vllm.vllm_version,
@@ -405,6 +716,11 @@ pub fn render_comparison(c: &ManagerComparison) -> String {
         c.vllm.block_ops_per_s,
         c.vllm.block_ops_per_s / 1e6,
         c.vllm.best_block_ops_per_s / 1e6,
+        c.paired_ratio,
+        c.pass_ratios.len(),
+        c.paired_ratio_min,
+        c.paired_ratio_max,
+        c.paired_cpu_ratio.map_or("-".into(), |r| format!("{r:.1}")),
         c.ratio,
         c.best_ratio,
         c.cpu_ratio.map_or("-".into(), |r| format!("{r:.1}")),
@@ -671,48 +987,134 @@ mod tests {
         path
     }
 
-    #[test]
-    fn vllm_comparison_passes_the_settings_and_reads_the_report() {
-        let script = fake_script(
-            "ok",
-            r#"[ "$2" = trace.jsonl ] && [ "$4" = 64 ] && [ "$6" = arc ] && [ "$8" = 2 ] \
-                && [ "${10}" = 7 ] || { echo "bad args: $*" >&2; exit 3; }
+    /// A stand-in for the vLLM script's serve mode, run with `sh` as the "python": checks its
+    /// arguments, greets, and answers each `pass` line with the next of `elapsed` (seconds) and
+    /// hit counts `hits` (one each, cycling), 100 block ops each.
+    fn serve_script(name: &str, checks: &str, elapsed: &[f64], hits: &[u64]) -> std::path::PathBuf {
+        let passes: Vec<String> = elapsed
+            .iter()
+            .zip(hits)
+            .map(|(t, n)| format!("{t}:{n}"))
+            .collect();
+        fake_script(
+            name,
+            &format!(
+                r#"{checks}
 echo progress on stdout first
-echo '{"vllm_version": "0.33.0", "import": "light", "hit_blocks": 5, "block_ops": 100,
- "store_failures": 0, "block_ops_per_s": 1000.0, "best_block_ops_per_s": 2000.0,
- "pass_elapsed_s": [0.1, 0.05], "cpu_block_ops_per_s": 1500.0,
- "best_cpu_block_ops_per_s": 2500.0, "extra": 1}' | tr -d '\n'
+echo '{{"vllm_version": "0.33.0", "import": "light", "requests": 50}}'
+set -- {passes}
+while read -r cmd; do
+  [ "$cmd" = pass ] || {{ echo "bad command $cmd" >&2; exit 4; }}
+  p=$1; shift
+  t=${{p%:*}}; n=${{p#*:}}
+  echo "{{\"elapsed_s\": $t, \"cpu_s\": $t, \"hit_blocks\": $n, \"block_ops\": 100, \"store_failures\": 0}}"
+done
 "#,
-        );
+                passes = passes.join(" ")
+            ),
+        )
+    }
+
+    #[test]
+    fn vllm_comparison_interleaves_passes_and_pairs_them() {
         let config = ManagerBenchConfig {
             capacity_blocks: 64,
             policy: EvictionPolicy::Arc,
-            passes: 1,
+            passes: 2,
         };
+        let checks = r#"[ "$2" = trace.jsonl ] && [ "$4" = 64 ] && [ "$6" = arc ] && [ "$7" = --serve ] \
+    && [ "$9" = 7 ] || { echo "bad args: $*" >&2; exit 3; }"#;
+        let script = serve_script("ok", checks, &[0.1, 0.4, 0.2], &[5, 5, 5]);
         let sh = std::path::Path::new("sh");
-        let trace = std::path::Path::new("trace.jsonl");
-        let vllm = run_vllm(sh, &script, trace, Some(7), &config, 2).unwrap();
-        assert_eq!(vllm.block_ops, 100);
-        assert_eq!(vllm.import, "light");
+        let path = std::path::Path::new("trace.jsonl");
         let records = generated_trace(50, 1);
-        let report = run(&ManagerTrace::from_records(&records), &config, &mut |_| {}).unwrap();
-        let c = ManagerComparison::new(report.clone(), vllm);
-        assert_eq!(c.ratio, report.block_ops_per_s / 1000.0);
-        assert_eq!(c.best_ratio, report.best_block_ops_per_s / 2000.0);
-        let cpu = report
-            .cpu_block_ops_per_s
-            .expect("Linux has a thread CPU clock");
-        assert_eq!(c.cpu_ratio, Some(cpu / 1500.0));
-        assert!(render_comparison(&c).contains("ratio"));
+        let trace = ManagerTrace::from_records(&records);
+        let mut heard = Vec::new();
+        let c = compare_vllm(&trace, path, Some(7), &config, sh, &script, 3, &mut |m| {
+            heard.push(m.to_string())
+        })
+        .unwrap();
+        // --passes 2 is raised to one block of kvtier passes before, between and after the
+        // three vLLM passes.
+        assert_eq!(c.kvtier.passes, 4);
+        assert_eq!(heard.len(), 3, "{heard:?}");
+        assert_eq!((c.vllm.block_ops, c.vllm.hit_blocks), (100, 5));
+        assert_eq!(c.vllm.import, "light");
+        assert_eq!(c.vllm.pass_elapsed_s, vec![0.1, 0.4, 0.2]);
+        assert_eq!(c.vllm.block_ops_per_s, 100.0 / 0.2);
+        assert_eq!(c.vllm.best_block_ops_per_s, 100.0 / 0.1);
+        // vLLM pass i against the kvtier passes i and i + 1 (one per block here), by an
+        // independent computation: the upper median of two is the larger (slower) time.
+        let k = &c.kvtier.pass_elapsed_s;
+        let want: Vec<f64> = [0.1, 0.4, 0.2]
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (c.kvtier.block_ops as f64 / k[i].max(k[i + 1])) / (100.0 / v))
+            .collect();
+        assert_eq!(c.pass_ratios, want);
+        let mut sorted = want.clone();
+        sorted.sort_by(f64::total_cmp);
+        assert_eq!(c.paired_ratio, sorted[1]);
+        assert_eq!(
+            (c.paired_ratio_min, c.paired_ratio_max),
+            (sorted[0], sorted[2])
+        );
+        assert!(c.paired_cpu_ratio.is_some_and(|r| r > 0.0));
+        assert_eq!(c.ratio, c.kvtier.block_ops_per_s / (100.0 / 0.2));
+        let text = render_comparison(&c);
+        assert!(
+            text.contains("paired_ratio") && text.contains("median of 3 vLLM passes"),
+            "{text}"
+        );
 
         // Wrong settings: the script fails, and its last error line is in the message.
-        let err = run_vllm(sh, &script, trace, None, &config, 2).unwrap_err();
-        assert!(err.contains("bad args"), "{err}");
+        let err = compare_vllm(&trace, path, None, &config, sh, &script, 3, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bad args") && err.contains("greeting"),
+            "{err}"
+        );
+        // No greeting at all.
         let silent = fake_script("silent", "echo not json\n");
-        let err = run_vllm(sh, &silent, trace, None, &config, 2).unwrap_err();
-        assert!(err.contains("printed no report"), "{err}");
-        let _ = std::fs::remove_file(script);
-        let _ = std::fs::remove_file(silent);
+        let err = compare_vllm(&trace, path, None, &config, sh, &silent, 3, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("before its serve-mode greeting"), "{err}");
+        // Passes that count differently.
+        let drift = serve_script("drift", "", &[0.1, 0.1], &[5, 6]);
+        let err = compare_vllm(&trace, path, None, &config, sh, &drift, 2, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not deterministic"), "{err}");
+        // A script that dies after its first pass.
+        let dies = fake_script(
+            "dies",
+            r#"echo '{"vllm_version": "0.33.0", "import": "full"}'
+read -r cmd
+echo '{"elapsed_s": 0.1, "cpu_s": 0.1, "hit_blocks": 1, "block_ops": 10, "store_failures": 0}'
+read -r cmd
+echo "out of memory" >&2
+exit 5
+"#,
+        );
+        let err = compare_vllm(&trace, path, None, &config, sh, &dies, 3, &mut |_| {})
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("out of memory") && err.contains("a pass"),
+            "{err}"
+        );
+        // A bad kvtier setting fails before the script runs.
+        let zero = ManagerBenchConfig {
+            capacity_blocks: 0,
+            ..config
+        };
+        let err = compare_vllm(&trace, path, None, &zero, sh, &script, 3, &mut |_| {});
+        assert!(matches!(err, Err(CompareError::Kvtier(_))), "{err:?}");
+        for p in [script, silent, drift, dies] {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
     #[test]

@@ -268,14 +268,16 @@ struct ManagerArgs {
     #[arg(long, value_name = "N")]
     limit: Option<usize>,
     /// Also replay the trace at vLLM's CPUOffloadingManager with this script
-    /// (crates/kvtier/scripts/bench_vllm_manager.py), after kvtier's passes, and print both and
-    /// their ratio.
+    /// (crates/kvtier/scripts/bench_vllm_manager.py), one vLLM pass between each two blocks of
+    /// kvtier's passes, and print both and their ratios (paired_ratio: the median of each vLLM
+    /// pass against the kvtier passes beside it).
     #[arg(long, value_name = "SCRIPT")]
     compare_vllm: Option<PathBuf>,
     /// The Python that runs the --compare-vllm script (one with vllm installed).
     #[arg(long, value_name = "PYTHON", default_value = "python3")]
     python: PathBuf,
-    /// Passes of the vLLM replay (each takes about a second on the Mooncake trace).
+    /// Passes of the vLLM replay (each takes about a second on the Mooncake trace); --passes is
+    /// raised to at least one more than this.
     #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     vllm_passes: u32,
 }
@@ -386,9 +388,9 @@ fn bench_manager_cmd(args: &ManagerArgs, json: bool) -> Result<(), Failure> {
         policy: args.policy.into(),
         passes: args.passes,
     };
-    let report = bench_manager::run(&trace, &config, &mut |m| progress.set(m))
-        .map_err(|e| Failure::Input(format!("--capacity-blocks: {e}")))?;
     let Some(script) = &args.compare_vllm else {
+        let report = bench_manager::run(&trace, &config, &mut |m| progress.set(m))
+            .map_err(|e| Failure::Input(format!("--capacity-blocks: {e}")))?;
         progress.finish();
         return if json {
             print_json(&report)
@@ -397,18 +399,21 @@ fn bench_manager_cmd(args: &ManagerArgs, json: bool) -> Result<(), Failure> {
             Ok(())
         };
     };
-    progress.set("replaying at vLLM's manager");
-    let vllm = bench_manager::run_vllm(
-        &args.python,
-        script,
+    let comparison = bench_manager::compare_vllm(
+        &trace,
         &args.trace,
         args.limit,
         &config,
+        &args.python,
+        script,
         args.vllm_passes,
+        &mut |m| progress.set(m),
     )
-    .map_err(|e| Failure::Input(format!("--compare-vllm: {e}")))?;
+    .map_err(|e| match e {
+        bench_manager::CompareError::Kvtier(e) => Failure::Input(format!("--capacity-blocks: {e}")),
+        bench_manager::CompareError::Vllm(e) => Failure::Input(format!("--compare-vllm: {e}")),
+    })?;
     progress.finish();
-    let comparison = bench_manager::ManagerComparison::new(report, vllm);
     if json {
         print_json(&comparison)
     } else {
