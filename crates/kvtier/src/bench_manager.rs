@@ -1067,25 +1067,34 @@ done
             "{text}"
         );
 
-        // Wrong settings: the script fails, and its last error line is in the message.
-        let err = compare_vllm(&trace, path, None, &config, sh, &script, 3, &mut |_| {})
+        // The error message of a run that must fail.
+        let fails = |script: &std::path::Path, vllm_passes: u32| {
+            compare_vllm(
+                &trace,
+                path,
+                None,
+                &config,
+                sh,
+                script,
+                vllm_passes,
+                &mut |_| {},
+            )
             .unwrap_err()
-            .to_string();
+            .to_string()
+        };
+        // Wrong settings: the script fails, and its last error line is in the message.
+        let err = fails(&script, 3);
         assert!(
             err.contains("bad args") && err.contains("greeting"),
             "{err}"
         );
         // No greeting at all.
         let silent = fake_script("silent", "echo not json\n");
-        let err = compare_vllm(&trace, path, None, &config, sh, &silent, 3, &mut |_| {})
-            .unwrap_err()
-            .to_string();
+        let err = fails(&silent, 3);
         assert!(err.contains("before its serve-mode greeting"), "{err}");
         // Passes that count differently.
         let drift = serve_script("drift", "", &[0.1, 0.1], &[5, 6]);
-        let err = compare_vllm(&trace, path, None, &config, sh, &drift, 2, &mut |_| {})
-            .unwrap_err()
-            .to_string();
+        let err = fails(&drift, 2);
         assert!(err.contains("not deterministic"), "{err}");
         // A script that dies after its first pass.
         let dies = fake_script(
@@ -1098,9 +1107,7 @@ echo "out of memory" >&2
 exit 5
 "#,
         );
-        let err = compare_vllm(&trace, path, None, &config, sh, &dies, 3, &mut |_| {})
-            .unwrap_err()
-            .to_string();
+        let err = fails(&dies, 3);
         assert!(
             err.contains("out of memory") && err.contains("a pass"),
             "{err}"
