@@ -292,13 +292,18 @@ impl Passes {
     }
 }
 
-/// `ops` over `seconds` (0 for no time).
-fn rate(ops: u64, seconds: f64) -> f64 {
-    if seconds > 0.0 {
-        ops as f64 / seconds
+/// `a` over `b` (0 where `b` is not positive).
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
     } else {
         0.0
     }
+}
+
+/// `ops` over `seconds` (0 for no time).
+fn rate(ops: u64, seconds: f64) -> f64 {
+    ratio(ops as f64, seconds)
 }
 
 /// Runs `config.passes` passes, each on a fresh pool created before its timer starts.
@@ -323,8 +328,8 @@ fn median_and_least(times: &[f64]) -> (f64, f64) {
     (offload_core::bench::median(&mut times.to_vec()), least)
 }
 
-/// What the vLLM script reported (its JSON output, the fields used here).
-#[derive(Clone, Debug, PartialEq, serde::Deserialize, Serialize)]
+/// What vLLM's passes measured, from the script's one line per pass (see [`compare_vllm`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct VllmReport {
     /// The vllm version the script imported.
     pub vllm_version: String,
@@ -380,32 +385,25 @@ pub struct ManagerComparison {
 }
 
 impl ManagerComparison {
-    /// Pairs two reports of the same trace and settings. `pass_ratios` and `pass_cpu_ratios`
-    /// come from the interleaved run (see [`compare_vllm`]); with none given, the paired ratio
-    /// is the ratio of the median passes.
-    pub fn new(
+    /// Pairs two reports of the same trace and settings with the interleaved run's per-pass
+    /// ratios (at least one; by CPU time, none without a thread CPU clock).
+    fn new(
         kvtier: ManagerBenchReport,
         vllm: VllmReport,
         pass_ratios: Vec<f64>,
         pass_cpu_ratios: Vec<f64>,
     ) -> Self {
-        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+        debug_assert!(!pass_ratios.is_empty());
         let both = |a: Option<f64>, b: Option<f64>| Some(ratio(a?, b?));
-        let median_ratio = ratio(kvtier.block_ops_per_s, vllm.block_ops_per_s);
-        let (paired_ratio, paired_ratio_min, paired_ratio_max) = if pass_ratios.is_empty() {
-            (median_ratio, median_ratio, median_ratio)
-        } else {
-            let (med, least) = median_and_least(&pass_ratios);
-            let most = pass_ratios
-                .iter()
-                .copied()
-                .fold(f64::NEG_INFINITY, f64::max);
-            (med, least, most)
-        };
+        let (paired_ratio, paired_ratio_min) = median_and_least(&pass_ratios);
+        let paired_ratio_max = pass_ratios
+            .iter()
+            .copied()
+            .fold(f64::NEG_INFINITY, f64::max);
         let paired_cpu_ratio = (!pass_cpu_ratios.is_empty())
             .then(|| offload_core::bench::median(&mut pass_cpu_ratios.clone()));
         Self {
-            ratio: median_ratio,
+            ratio: ratio(kvtier.block_ops_per_s, vllm.block_ops_per_s),
             best_ratio: ratio(kvtier.best_block_ops_per_s, vllm.best_block_ops_per_s),
             cpu_ratio: both(kvtier.cpu_block_ops_per_s, vllm.cpu_block_ops_per_s),
             best_cpu_ratio: both(
@@ -675,12 +673,7 @@ pub fn compare_vllm(
         (0..vllm_passes)
             .map(|i| {
                 let (t, _) = median_and_least(&kvtier_s[bounds(i)..bounds(i + 2)]);
-                let v = rate(ops, vllm_s[i]);
-                if v > 0.0 {
-                    rate(report.block_ops, t) / v
-                } else {
-                    0.0
-                }
+                ratio(rate(report.block_ops, t), rate(ops, vllm_s[i]))
             })
             .collect()
     };
@@ -988,8 +981,8 @@ mod tests {
     }
 
     /// A stand-in for the vLLM script's serve mode, run with `sh` as the "python": checks its
-    /// arguments, greets, and answers each `pass` line with the next of `elapsed` (seconds) and
-    /// hit counts `hits` (one each, cycling), 100 block ops each.
+    /// arguments, greets, and answers the `i`-th `pass` line with `elapsed[i]` seconds,
+    /// `hits[i]` hit blocks and 100 block ops.
     fn serve_script(name: &str, checks: &str, elapsed: &[f64], hits: &[u64]) -> std::path::PathBuf {
         let passes: Vec<String> = elapsed
             .iter()
