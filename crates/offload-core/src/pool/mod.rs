@@ -124,6 +124,8 @@ const ARC_TRACKER_MAP_BUCKETS_PER_SLOT: (usize, usize) = (15, 4);
 /// [`DEDUPE_FILTER_BITS`] bits of the keys' hashes, and a linear scan only when a key's bit was
 /// already set (for up to 256 keys, at most a sixteenth of them).
 const DEDUPE_FILTER_MAX: usize = 256;
+/// The touch memo's entry for a key that had a slot: bit 32 set, which no [`mix`] has.
+const TOUCHED_PRESENT: u64 = u64::MAX;
 /// Size of the dedupe filter.
 const DEDUPE_FILTER_BITS: usize = 4096;
 /// Shift that takes a hash's top bits as its filter bit (`DEDUPE_FILTER_BITS` is 2^12).
@@ -323,6 +325,13 @@ pub struct HostPool {
     new_hashes: Vec<u64>,
     /// `prepare_store` scratch: slots marked as named by the call.
     marked: Vec<u32>,
+    /// What the last `touch` found, one entry per key in order: the key's mixed hash where it
+    /// had no slot, [`TOUCHED_PRESENT`] where it had one (empty: no memo). Only
+    /// `prepare_store`'s install makes a key present, and every `prepare_store` empties the
+    /// memo, so a key the memo calls absent is still absent while it lasts. `prepare_store` of a suffix of
+    /// the touched keys (the engines' usual call: the blocks past the prefix hit) skips its probe
+    /// of each key whose mix equals the memo's entry.
+    touched: Vec<u64>,
     /// The slots the last successful `prepare_store` reserved, in order: `complete_store` tries
     /// `last_store[i]` for its `i`-th key before probing the table (a hint, checked against the
     /// slot's key and state, so a stale one only costs the check).
@@ -410,6 +419,7 @@ impl HostPool {
             events: Vec::new(),
             new_hashes: Vec::new(),
             marked: Vec::new(),
+            touched: Vec::new(),
             last_store: Vec::new(),
             dedupe: Vec::new(),
             dedupe_generation: 0,
@@ -529,6 +539,7 @@ impl HostPool {
             + self.map.bytes()
             + self.new_hashes.capacity() * std::mem::size_of::<u64>()
             + self.marked.capacity() * std::mem::size_of::<u32>()
+            + self.touched.capacity() * std::mem::size_of::<u64>()
             + self.last_store.capacity() * std::mem::size_of::<u32>()
             + self.dedupe.capacity() * std::mem::size_of::<DedupeEntry>();
         if let Policy::Arc(a) = &self.policy {
@@ -955,12 +966,26 @@ impl OffloadManager for HostPool {
     }
 
     fn touch(&mut self, keys: &[ChunkKey], _request: RequestId) {
+        // The memo of what this call finds, last key first, bounded by the slot count (a longer
+        // call is left without one: `prepare_store` then probes every key).
+        let mut memo = std::mem::take(&mut self.touched);
+        memo.clear();
+        let on = keys.len() <= self.slots.len();
         match &mut self.policy {
             Policy::Lru(l) => {
                 for &key in keys.iter().rev() {
+                    let h = mix(key);
                     let slots = &self.slots;
-                    if let Some(s) = self.map.find(mix(key), |s| slots[s as usize].is(key)) {
-                        l.touch(&mut self.slots, s);
+                    let found = self.map.find(h, |s| slots[s as usize].is(key));
+                    let entry = match found {
+                        Some(s) => {
+                            l.touch(&mut self.slots, s);
+                            TOUCHED_PRESENT
+                        }
+                        None => h,
+                    };
+                    if on {
+                        memo.push(entry);
                     }
                 }
             }
@@ -975,14 +1000,24 @@ impl OffloadManager for HostPool {
                         |i| slots.get(i as usize).is_some_and(|slot| slot.is(key)),
                         |i| a.is_ghost_of(i, h),
                     );
-                    match found {
-                        None => {}
-                        Some(i) if ghosts.is_ghost(i) => a.ghost_hit(i),
-                        Some(s) => a.touch(&mut self.slots, s),
+                    let entry = match found {
+                        None => h,
+                        Some(i) if ghosts.is_ghost(i) => {
+                            a.ghost_hit(i);
+                            h
+                        }
+                        Some(s) => {
+                            a.touch(&mut self.slots, s);
+                            TOUCHED_PRESENT
+                        }
+                    };
+                    if on {
+                        memo.push(entry);
                     }
                 }
             }
         }
+        self.touched = memo;
     }
 
     fn prepare_store(
@@ -1000,9 +1035,18 @@ impl OffloadManager for HostPool {
         // Phase 1: gather the keys to store into `out.keys`; mark present idle keys so they are
         // not evicted.
         let mut marked_idle = 0u32;
+        // The last touch's memo, where these keys are a suffix of its keys (checked key by key:
+        // a key whose mix differs from its entry is probed).
+        let mut memo = std::mem::take(&mut self.touched);
+        if keys.len() > memo.len() {
+            memo.clear();
+        }
+        // The memo runs last key first: key `j` of a suffix is entry `keys.len() - 1 - j`.
+        let mut absent = memo[..keys.len().min(memo.len())].iter().rev();
         for &key in keys {
             let h = mix(key);
-            if let Some(s) = self.find(key, h) {
+            let known_absent = absent.next() == Some(&h);
+            if let Some(s) = (!known_absent).then(|| self.find(key, h)).flatten() {
                 let slot = &mut self.slots[s as usize];
                 if slot.refc == 0 && slot.mark == 0 {
                     slot.mark = 1;
@@ -1022,6 +1066,9 @@ impl OffloadManager for HostPool {
             out.keys.push(key);
             self.new_hashes.push(h);
         }
+        // Give the memo's buffer back (its capacity), spent.
+        self.touched = memo;
+        self.touched.clear();
 
         // Phase 2: is there room? Decided from counters, before changing anything.
         let needed = out.keys.len();

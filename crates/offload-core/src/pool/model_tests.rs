@@ -365,6 +365,11 @@ enum Op {
     /// Completes the outstanding load with this index (modulo their number).
     CompleteLoad(usize),
     Touch(Vec<u8>),
+    /// The engines' usual pair: touch these keys, then store those from this index on (modulo
+    /// the length plus one), with the key at the given position of that suffix (if any, modulo
+    /// its length) replaced by another: what the pool remembers of the touch must never stand
+    /// in for a key the touch did not see.
+    TouchThenStore(Vec<u8>, usize, Option<(usize, u8)>),
     /// Resets with jobs possibly in flight (their completions are then dropped; their slots
     /// stay held).
     Reset,
@@ -385,9 +390,19 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => keys_strategy().prop_map(Op::PrepareLoad),
         3 => any::<usize>().prop_map(Op::CompleteLoad),
         4 => keys_strategy().prop_map(Op::Touch),
+        4 => touch_then_store_strategy(keys_strategy()),
         1 => Just(Op::Reset),
         2 => any::<usize>().prop_map(Op::EndStale),
     ]
+}
+
+fn touch_then_store_strategy(keys: impl Strategy<Value = Vec<u8>>) -> impl Strategy<Value = Op> {
+    (
+        keys,
+        any::<usize>(),
+        prop::option::weighted(0.3, (any::<usize>(), 0..KEY_UNIVERSE)),
+    )
+        .prop_map(|(k, from, swap)| Op::TouchThenStore(k, from, swap))
 }
 
 fn keys_of(ns: &[u8]) -> Vec<ChunkKey> {
@@ -419,8 +434,22 @@ fn run_lockstep(
                 let k = key(*n);
                 prop_assert_eq!(pool.lookup(k, R), model.lookup(k), "step {}", step);
             }
-            Op::PrepareStore(ns) => {
-                let keys = keys_of(ns);
+            Op::PrepareStore(_) | Op::TouchThenStore(..) => {
+                let keys = match op {
+                    Op::TouchThenStore(ns, from, swap) => {
+                        let touched = keys_of(ns);
+                        pool.touch(&touched, R);
+                        model.touch(&touched);
+                        let mut keys = touched[from % (touched.len() + 1)..].to_vec();
+                        if let (Some((at, n)), false) = (swap, keys.is_empty()) {
+                            let at = at % keys.len();
+                            keys[at] = key(*n);
+                        }
+                        keys
+                    }
+                    Op::PrepareStore(ns) => keys_of(ns),
+                    _ => unreachable!(),
+                };
                 let got = pool.prepare_store(&keys, R, &mut out);
                 let want = model.prepare_store(&keys, &mut model_out);
                 prop_assert_eq!(&got, &want, "step {}: {:?}", step, op);
@@ -571,6 +600,7 @@ proptest! {
                 3 => prop::collection::vec(0..KEY_UNIVERSE, 10..40).prop_map(Op::PrepareStore),
                 3 => (any::<usize>(), any::<bool>()).prop_map(|(i, ok)| Op::CompleteStore(i, ok)),
                 2 => prop::collection::vec(0..KEY_UNIVERSE, 10..40).prop_map(Op::Touch),
+                3 => touch_then_store_strategy(prop::collection::vec(0..KEY_UNIVERSE, 10..40)),
                 1 => prop::collection::vec(0..KEY_UNIVERSE, 1..4).prop_map(Op::PrepareLoad),
                 1 => any::<usize>().prop_map(Op::CompleteLoad),
             ],
