@@ -325,12 +325,13 @@ pub struct HostPool {
     new_hashes: Vec<u64>,
     /// `prepare_store` scratch: slots marked as named by the call.
     marked: Vec<u32>,
-    /// What the last `touch` found, one entry per key in order: the key's mixed hash where it
-    /// had no slot, [`TOUCHED_PRESENT`] where it had one (empty: no memo). Only
+    /// What the last `touch` found, one entry per key, last key first: the key's mixed hash
+    /// where it had no slot, [`TOUCHED_PRESENT`] where it had one (empty: no memo). Only
     /// `prepare_store`'s install makes a key present, and every `prepare_store` empties the
-    /// memo, so a key the memo calls absent is still absent while it lasts. `prepare_store` of a suffix of
-    /// the touched keys (the engines' usual call: the blocks past the prefix hit) skips its probe
-    /// of each key whose mix equals the memo's entry.
+    /// memo, so a key the memo calls absent is still absent while it lasts. `prepare_store` of a
+    /// suffix of the touched keys (the engines' usual call: the blocks past the prefix hit)
+    /// skips its probe of each key whose mix equals the memo's entry. At most the slot count of
+    /// entries, like the other per-call scratch buffers here.
     touched: Vec<u64>,
     /// The slots the last successful `prepare_store` reserved, in order: `complete_store` tries
     /// `last_store[i]` for its `i`-th key before probing the table (a hint, checked against the
