@@ -644,6 +644,39 @@ fn store_jobs_share_one_append_stream(engine: EngineChoice) {
     load_and_check(&mut rig, &check);
 }
 
+/// Chunks of one size: a fresh segment is allocated for as many records as it takes and the seal,
+/// so sealing trims nothing and each sealed file is exactly its records and its seal.
+fn uniform_records_fill_their_segments(engine: EngineChoice) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    // Three full records fit a segment (a fourth would pass the limit).
+    let fitted = 3 * FULL_FILE_BYTES + SEAL_BYTES;
+    let cfg = || FsTierConfig {
+        segment_bytes_max: 3 * FULL_FILE_BYTES + 1000,
+        workers: 1,
+        ..config(root, engine)
+    };
+    let chunks: Vec<_> = (0..6u64)
+        .map(|n| (key(300 + n), n as u32, FULL, 300 + n))
+        .collect();
+    {
+        let mut rig = Rig::start(cfg());
+        assert!(rig.store(&chunks[..3]).is_success());
+        assert!(rig.store(&chunks[3..]).is_success());
+        assert_eq!(rig.tier.segment_count(), 2);
+        assert_eq!(rig.tier.stats().bytes_preallocated, 2 * fitted);
+    }
+    let segments = files_with_suffix(root, ".seg");
+    assert_eq!(segments.len(), 2);
+    for seg in &segments {
+        assert_eq!(std::fs::metadata(seg).unwrap().len(), fitted, "{seg:?}");
+    }
+    let mut rig = Rig::start(cfg());
+    assert_eq!(rig.tier.used_bytes(), 2 * fitted);
+    assert_eq!(rig.tier.chunk_count(), 6);
+    load_and_check(&mut rig, &chunks);
+}
+
 macro_rules! engine_tests {
     ($engine:expr, $aligned:expr, $($name:ident)*) => {
         $(
@@ -679,6 +712,7 @@ macro_rules! all_engine_tests {
             neighbouring_records_are_read_at_once
             corrupt_record_inside_a_merged_read_fails_alone
             store_jobs_share_one_append_stream
+            uniform_records_fill_their_segments
         );
     };
 }

@@ -282,6 +282,9 @@ struct OpenSegment {
     /// The file's blocks are allocated (and its size set) up to here, so that writes below it
     /// neither extend the file nor fill holes (see `Worker::preallocate`).
     allocated: u64,
+    /// The file size of its first record: a fresh segment is allocated for as many records of
+    /// that size as it takes, plus the seal (see `Worker::preallocate`).
+    first_record: u64,
     /// Takes no further record (full, or a write into it failed); sealed once `records_open`
     /// is 0.
     closed: bool,

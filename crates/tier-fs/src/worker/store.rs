@@ -249,10 +249,14 @@ impl Worker {
         for seg in self.segments.iter_mut().filter(|s| s.allocated < s.cursor) {
             // A fresh segment is allocated whole: `fallocate` waits for every direct I/O in
             // flight on the file (ext4's `inode_dio_wait`), so growing it job by job would drain
-            // the writer's queue at every job. Later calls only cover a rewound range or a
-            // record larger than a segment.
+            // the writer's queue at every job. Whole means as many records of its first
+            // record's size as it takes, and the seal: chunks of one model are one size, so the
+            // seal then lands on the allocated end and no tail is trimmed (an `ftruncate`, which
+            // frees blocks in the journal, on the writer's thread). Later calls only cover a
+            // rewound range or a record larger than a segment.
             let end = if seg.allocated == 0 {
-                seg.cursor.max(segment_bytes)
+                seg.cursor
+                    .max(fitted_bytes(segment_bytes, seg.first_record))
             } else {
                 seg.cursor
             };
@@ -337,6 +341,9 @@ impl Worker {
         };
         let seg = &mut self.segments[at];
         let offset = seg.cursor;
+        if offset == 0 {
+            seg.first_record = bytes;
+        }
         seg.cursor += bytes;
         seg.records_open += 1;
         let pending = Pending {
@@ -459,6 +466,7 @@ impl Worker {
             direct,
             cursor: 0,
             allocated: 0,
+            first_record: 0,
             closed: false,
             records_open: 0,
         });
@@ -892,8 +900,8 @@ impl Worker {
             return;
         }
         let durable = self.settings.durability == Durability::Fsync;
-        // The allocated tail past the records goes; the seal then extends the file to its end.
-        let trimmed = if seg.allocated > seg.cursor {
+        // An allocated tail past the records and the seal goes; the seal then ends the file.
+        let trimmed = if seg.allocated > seg.cursor + SEAL_BYTES {
             seg.file.set_len(seg.cursor)
         } else {
             Ok(())
@@ -930,4 +938,11 @@ impl Worker {
             self.seal(seg);
         }
     }
+}
+
+/// The bytes a fresh segment is allocated: as many records of `record` bytes as a segment of
+/// `segment_bytes` takes (at least one), and the seal.
+fn fitted_bytes(segment_bytes: u64, record: u64) -> u64 {
+    let records = (segment_bytes / record.max(1)).max(1);
+    records * record + SEAL_BYTES
 }
