@@ -48,6 +48,45 @@ pub(crate) fn create_for_write(path: &Path, direct: bool) -> io::Result<File> {
         .open(path)
 }
 
+/// Creates an unnamed file in directory `dir` (`O_TMPFILE`) for writing and reading, with
+/// O_DIRECT if `direct`: invisible to every reader until [`link_unnamed`] names it, and freed by
+/// the kernel if the process dies first. Fails (`EOPNOTSUPP`, `EISDIR`, `EINVAL`) where the
+/// kernel or the file system has no unnamed files.
+pub(crate) fn create_unnamed(dir: &Path, direct: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .mode(FILE_MODE)
+        .custom_flags(libc::O_TMPFILE | direct_flag(direct))
+        .open(dir)
+}
+
+/// Gives a file from [`create_unnamed`] the name `path` (which must not exist), through
+/// `/proc/self/fd` (`linkat` with `AT_EMPTY_PATH` would need `CAP_DAC_READ_SEARCH`).
+pub(crate) fn link_unnamed(file: &File, path: &Path) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let invalid = |_| io::Error::from(io::ErrorKind::InvalidInput);
+    let from = CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).map_err(invalid)?;
+    let to = CString::new(path.as_os_str().as_bytes()).map_err(invalid)?;
+    // SAFETY: both are NUL-terminated strings that outlive the call; no other memory is passed.
+    let rc = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Reopens a segment this instance appends, buffered, keeping its contents (after EINVAL).
 pub(crate) fn reopen_buffered_for_write(path: &Path) -> io::Result<File> {
     OpenOptions::new().read(true).write(true).open(path)

@@ -121,6 +121,9 @@ pub struct FsStats {
     pub old_format_segments: u64,
     /// Segments this instance sealed.
     pub segments_sealed: u64,
+    /// Segments the writer took ready-made (created and allocated ahead on its housekeeping
+    /// thread) instead of creating them itself.
+    pub segments_prepared: u64,
     /// Probes of a shared directory started.
     pub probes: u64,
     /// Probes that found a chunk written by another instance.
@@ -180,6 +183,7 @@ pub(crate) struct StatsCell {
     pub(crate) torn_records_dropped: AtomicU64,
     pub(crate) old_format_segments: AtomicU64,
     pub(crate) segments_sealed: AtomicU64,
+    pub(crate) segments_prepared: AtomicU64,
     pub(crate) probes: AtomicU64,
     pub(crate) probe_hits: AtomicU64,
     pub(crate) shutdown_timeouts: AtomicU64,
@@ -230,6 +234,7 @@ impl StatsCell {
             torn_records_dropped: get(&self.torn_records_dropped),
             old_format_segments: get(&self.old_format_segments),
             segments_sealed: get(&self.segments_sealed),
+            segments_prepared: get(&self.segments_prepared),
             probes: get(&self.probes),
             probe_hits: get(&self.probe_hits),
             shutdown_timeouts: get(&self.shutdown_timeouts),

@@ -665,6 +665,11 @@ fn uniform_records_fill_their_segments(engine: EngineChoice) {
         assert!(rig.store(&chunks[3..]).is_success());
         assert_eq!(rig.tier.segment_count(), 2);
         assert_eq!(rig.tier.stats().bytes_preallocated, 2 * fitted);
+        // The second segment was made ahead while the first filled (an unnamed file until the
+        // writer took it); the one made for a third is never seen on disk.
+        assert_eq!(rig.tier.stats().segments_prepared, 1);
+        assert_eq!(files_with_suffix(root, ".seg").len(), 2);
+        assert_eq!(chunk_file_bytes(root), rig.tier.used_bytes());
     }
     let segments = files_with_suffix(root, ".seg");
     assert_eq!(segments.len(), 2);
@@ -672,6 +677,8 @@ fn uniform_records_fill_their_segments(engine: EngineChoice) {
         assert_eq!(std::fs::metadata(seg).unwrap().len(), fitted, "{seg:?}");
     }
     let mut rig = Rig::start(cfg());
+    // Both seals (written on the writer's housekeeping thread) were on disk at shutdown.
+    assert_eq!(rig.tier.stats().open_segments_recovered, 0);
     assert_eq!(rig.tier.used_bytes(), 2 * fitted);
     assert_eq!(rig.tier.chunk_count(), 6);
     load_and_check(&mut rig, &chunks);

@@ -69,6 +69,7 @@ use crate::segment::{open_for_repair, write_seal, write_skip};
 use crate::stats::{add, FailureKind, StatsCell};
 
 mod exec;
+mod housekeep;
 mod load;
 mod store;
 
@@ -426,6 +427,8 @@ pub(crate) struct Worker {
     load_reap_errors: u32,
     /// Store batches preallocate their range (until the file system says it cannot).
     preallocate: bool,
+    /// The writer's seals and next segment, off its thread (started by `run_writer`).
+    housekeeper: Option<housekeep::Housekeeper>,
 }
 
 fn failure_of(error: &io::Error) -> FailureKind {
@@ -472,6 +475,7 @@ impl Worker {
             load_queue: VecDeque::new(),
             load_reap_errors: 0,
             preallocate,
+            housekeeper: None,
         }
     }
 

@@ -13,6 +13,8 @@ impl Worker {
     /// job only when nothing is in flight. Returns after `Stop` (or the front end is gone) and
     /// every job it took finished, sealing its segments.
     pub(crate) fn run_writer(mut self, jobs: Receiver<Msg>, done: Sender<TierCompletion>) {
+        let durable = self.settings.durability == Durability::Fsync;
+        self.housekeeper = housekeep::Housekeeper::start(&self.shared, durable);
         let mut open = true;
         loop {
             let step = catch_unwind(AssertUnwindSafe(|| {
@@ -33,6 +35,8 @@ impl Worker {
             }
         }
         self.seal_all();
+        // Waits for the queued seals, and deletes a prepared segment not taken.
+        drop(self.housekeeper.take());
     }
 
     /// Starts queued jobs: waits for one if the writer has nothing to do, else takes those
@@ -346,6 +350,12 @@ impl Worker {
         }
         seg.cursor += bytes;
         seg.records_open += 1;
+        let segment = seg.id;
+        let file = Arc::clone(&seg.file);
+        let direct = seg.direct;
+        if offset == 0 {
+            self.prepare_next_segment(bytes);
+        }
         let pending = Pending {
             job,
             key,
@@ -353,10 +363,10 @@ impl Worker {
             len,
             bytes,
             offset,
-            segment: seg.id,
+            segment,
             location: None,
-            file: Arc::clone(&seg.file),
-            direct: seg.direct,
+            file,
+            direct,
             retried: false,
             corrupt_after_read: false,
             zero_copy,
@@ -432,6 +442,16 @@ impl Worker {
             .settings
             .layout
             .segment_path(self.shared.instance, sequence);
+        if let Some(prepared) = self.housekeeper.as_mut().and_then(|h| h.take()) {
+            if crate::direct::link_unnamed(&prepared.file, &path).is_ok() {
+                self.open_prepared(path, prepared);
+                return Ok(());
+            }
+            // Named files only from here on (the prepared one goes with its descriptor).
+            if let Some(housekeeper) = self.housekeeper.as_mut() {
+                housekeeper.stop_preparing();
+            }
+        }
         let direct = self.direct();
         let (file, direct) = match create_for_write(&path, direct) {
             Ok(file) => (file, direct),
@@ -471,6 +491,63 @@ impl Worker {
             records_open: 0,
         });
         Ok(())
+    }
+
+    /// Makes a segment the housekeeper created (and allocated), named `path`, the open segment.
+    fn open_prepared(&mut self, path: PathBuf, prepared: housekeep::Prepared) {
+        add(&self.stats().segments_prepared, 1);
+        if prepared.unsupported {
+            self.preallocate = false;
+        }
+        let allocated = prepared.allocated;
+        if allocated > 0 {
+            add(&self.shared.stats.bytes_preallocated, allocated);
+        }
+        // The allocated space is the segment's (and counts against the capacity).
+        let id = self
+            .shared
+            .index()
+            .add_segment(&path, allocated, SegmentState::Writing);
+        self.segments.push(OpenSegment {
+            id,
+            path: Arc::new(path),
+            file: Arc::new(prepared.file),
+            direct: prepared.direct,
+            cursor: 0,
+            allocated,
+            first_record: 0,
+            closed: false,
+            records_open: 0,
+        });
+    }
+
+    /// Asks the housekeeper to prepare the segment after the open one, allocated for records of
+    /// `record` bytes (the open segment's first), so that it is ready when the open one fills.
+    /// Its bytes are reserved now (evicting as a record would), so that the files on disk stay
+    /// within the capacity; where they do not fit, the writer creates the next segment itself.
+    /// Only in a tier of at least [`SPARE_CAPACITY_SEGMENTS_MIN`] segments, where holding one
+    /// segment's space early changes what stays cached by little.
+    fn prepare_next_segment(&mut self, record: u64) {
+        if !self.preallocate || !self.housekeeper.as_ref().is_some_and(|h| h.can_prepare()) {
+            return;
+        }
+        let bytes = fitted_bytes(self.settings.segment_bytes, record);
+        let capacity = self.shared.index().capacity_bytes();
+        if bytes.saturating_mul(SPARE_CAPACITY_SEGMENTS_MIN) > capacity {
+            return;
+        }
+        let Some(victims) = self.shared.index().reserve(bytes) else {
+            return;
+        };
+        self.evict(victims);
+        let task = housekeep::Prepare {
+            dir: self.settings.layout.dir().to_path_buf(),
+            direct: self.direct(),
+            bytes,
+        };
+        if let Some(housekeeper) = self.housekeeper.as_mut() {
+            housekeeper.request(task, bytes);
+        }
     }
 
     pub(super) fn discard(&self, path: &std::path::Path, error: &io::Error) -> FailureKind {
@@ -890,45 +967,22 @@ impl Worker {
         self.active_bytes = 0;
     }
 
-    /// Seals a segment that takes no further record (or removes it if it holds none).
+    /// Seals a segment that takes no further record (or removes it if it holds none): the
+    /// index here (`housekeep::account_seal`), the file on the housekeeper's thread, or here if
+    /// there is none or its queue is full.
     pub(super) fn seal(&mut self, seg: OpenSegment) {
-        if seg.cursor == 0 {
-            let _ = std::fs::remove_file(&*seg.path);
-            let mut index = self.shared.index();
-            index.remove_segment(seg.id);
-            index.release(SEAL_BYTES);
+        if !housekeep::account_seal(&self.shared, &seg) {
             return;
         }
-        let durable = self.settings.durability == Durability::Fsync;
-        // An allocated tail past the records and the seal goes; the seal then ends the file.
-        let trimmed = if seg.allocated > seg.cursor + SEAL_BYTES {
-            seg.file.set_len(seg.cursor)
-        } else {
-            Ok(())
+        let seg = match self.housekeeper.as_ref() {
+            Some(housekeeper) => match housekeeper.seal(seg) {
+                Ok(()) => return,
+                Err(seg) => seg,
+            },
+            None => seg,
         };
-        let sealed = trimmed
-            .and_then(|()| write_seal(&seg.file, seg.cursor))
-            .and_then(|()| {
-                if durable {
-                    seg.file.sync_data()
-                } else {
-                    Ok(())
-                }
-            });
-        let size = seg.file.metadata().map(|m| m.len());
-        let mut index = self.shared.index();
-        index.release(SEAL_BYTES);
-        if sealed.is_ok() {
-            // Unsealed (a failed seal write), it is recovered by the next start's scan.
-            index.grow_segment(seg.id, seg.cursor + SEAL_BYTES);
-        }
-        if let Ok(size) = size {
-            // The allocated tail is gone (or, if the trim failed, still there).
-            index.set_segment_bytes(seg.id, size);
-        }
-        index.set_state(seg.id, SegmentState::Sealed);
-        drop(index);
-        add(&self.stats().segments_sealed, 1);
+        let durable = self.settings.durability == Durability::Fsync;
+        housekeep::write_seal_of(&self.shared, durable, &seg);
     }
 
     /// Seals every segment this worker appends to (at shutdown).
@@ -939,6 +993,10 @@ impl Worker {
         }
     }
 }
+
+/// The writer prepares its next segment ahead (`Worker::prepare_next_segment`) only in a tier
+/// whose capacity holds at least this many segments.
+const SPARE_CAPACITY_SEGMENTS_MIN: u64 = 64;
 
 /// The bytes a fresh segment is allocated: as many records of `record` bytes as a segment of
 /// `segment_bytes` takes (at least one), and the seal.
