@@ -479,6 +479,11 @@ impl Worker {
         }
     }
 
+    /// Stores are synced (`Durability::Fsync`).
+    fn durable(&self) -> bool {
+        self.settings.durability == Durability::Fsync
+    }
+
     /// The completions of `group`, whose runs are over, with their failed keys.
     fn completions(&self, group: &[TierJob], failed: Failed) -> Vec<TierCompletion> {
         let mut cancelled = self.shared.cancelled();

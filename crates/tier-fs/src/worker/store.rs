@@ -13,8 +13,7 @@ impl Worker {
     /// job only when nothing is in flight. Returns after `Stop` (or the front end is gone) and
     /// every job it took finished, sealing its segments.
     pub(crate) fn run_writer(mut self, jobs: Receiver<Msg>, done: Sender<TierCompletion>) {
-        let durable = self.settings.durability == Durability::Fsync;
-        self.housekeeper = housekeep::Housekeeper::start(&self.shared, durable);
+        self.housekeeper = housekeep::Housekeeper::start(&self.shared, self.durable());
         let mut open = true;
         loop {
             let step = catch_unwind(AssertUnwindSafe(|| {
@@ -466,7 +465,7 @@ impl Worker {
             }
             Err(e) => return Err(self.discard(&path, &e)),
         };
-        if self.settings.durability == Durability::Fsync {
+        if self.durable() {
             let synced = path
                 .parent()
                 .map(|dir| File::open(dir).and_then(|d| d.sync_all()));
@@ -475,22 +474,28 @@ impl Worker {
                 return Err(self.discard(&path, &e));
             }
         }
+        self.push_segment(path, file, direct, 0);
+        Ok(())
+    }
+
+    /// Makes a fresh segment file, whose blocks are allocated up to `allocated`, the open segment
+    /// (the allocated space is the segment's, and counts against the capacity).
+    fn push_segment(&mut self, path: PathBuf, file: File, direct: bool, allocated: u64) {
         let id = self
             .shared
             .index()
-            .add_segment(&path, 0, SegmentState::Writing);
+            .add_segment(&path, allocated, SegmentState::Writing);
         self.segments.push(OpenSegment {
             id,
             path: Arc::new(path),
             file: Arc::new(file),
             direct,
             cursor: 0,
-            allocated: 0,
+            allocated,
             first_record: 0,
             closed: false,
             records_open: 0,
         });
-        Ok(())
     }
 
     /// Makes a segment the housekeeper created (and allocated), named `path`, the open segment.
@@ -499,26 +504,8 @@ impl Worker {
         if prepared.unsupported {
             self.preallocate = false;
         }
-        let allocated = prepared.allocated;
-        if allocated > 0 {
-            add(&self.shared.stats.bytes_preallocated, allocated);
-        }
-        // The allocated space is the segment's (and counts against the capacity).
-        let id = self
-            .shared
-            .index()
-            .add_segment(&path, allocated, SegmentState::Writing);
-        self.segments.push(OpenSegment {
-            id,
-            path: Arc::new(path),
-            file: Arc::new(prepared.file),
-            direct: prepared.direct,
-            cursor: 0,
-            allocated,
-            first_record: 0,
-            closed: false,
-            records_open: 0,
-        });
+        add(&self.stats().bytes_preallocated, prepared.allocated);
+        self.push_segment(path, prepared.file, prepared.direct, prepared.allocated);
     }
 
     /// Asks the housekeeper to prepare the segment after the open one, allocated for records of
@@ -828,7 +815,7 @@ impl Worker {
         self.active_bytes -= active.bytes;
         let mut records = std::mem::take(&mut active.written);
         records.sort_by_key(|w| (w.segment, w.offset));
-        if self.settings.durability == Durability::Fsync {
+        if self.durable() {
             self.flush_records(&mut records);
         }
         // From the last record back, so that a failed tail rewinds as a whole.
@@ -974,15 +961,14 @@ impl Worker {
         if !housekeep::account_seal(&self.shared, &seg) {
             return;
         }
-        let seg = match self.housekeeper.as_ref() {
+        let seg = match &self.housekeeper {
             Some(housekeeper) => match housekeeper.seal(seg) {
                 Ok(()) => return,
                 Err(seg) => seg,
             },
             None => seg,
         };
-        let durable = self.settings.durability == Durability::Fsync;
-        housekeep::write_seal_of(&self.shared, durable, &seg);
+        housekeep::write_seal_of(&self.shared, self.durable(), &seg);
     }
 
     /// Seals every segment this worker appends to (at shutdown).
