@@ -343,6 +343,20 @@ impl IndexTable {
     #[inline]
     fn position_owned(&self, h: u64, idx: u32) -> Option<usize> {
         let mut i = self.home(h);
+        // Most entries sit within a few buckets of their home: the first four are compared at
+        // once, without a branch per bucket (the probe's length varies too much to predict).
+        // Indices are unique and no empty bucket matches, so a match there is the entry, even
+        // past an empty bucket.
+        if let Some(w) = self.entries.get(i..i + 4) {
+            let m = self.idx_mask;
+            let hits = u32::from(w[0] & m == idx)
+                | u32::from(w[1] & m == idx) << 1
+                | u32::from(w[2] & m == idx) << 2
+                | u32::from(w[3] & m == idx) << 3;
+            if hits != 0 {
+                return Some(i + hits.trailing_zeros() as usize);
+            }
+        }
         loop {
             let e = self.entries[i];
             if e & self.idx_mask == idx {
